@@ -1,0 +1,1 @@
+"""Training backends. Only ``registry`` names them; nothing else imports one directly."""

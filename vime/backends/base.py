@@ -1,0 +1,53 @@
+"""The TrainActor contract: everything the loop may ask of a training backend.
+
+Where it fits: ``vime.backends.registry`` names one subclass per backend; the
+Ray train group creates one instance per training rank and the loop
+(``vime.trainer``) calls only these methods, so the loop never knows which
+backend runs. Both backends consume the planner's micro-batches
+(``vime.data.packing``) and the loss in ``vime.algo``, and publish weights as
+HF-named buckets, which is what lets them be checked against each other.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from typing import Any
+
+
+class TrainActor(abc.ABC):
+    """One training rank of a backend."""
+
+    @abc.abstractmethod
+    def init(self, args: Any) -> int:
+        """Build model, optimizer and process groups; load ``--load`` if given.
+
+        Returns the rollout id to start from (0, or the one after the loaded checkpoint).
+        """
+
+    @abc.abstractmethod
+    def compute_log_probs(self, schedule: Any, which: str) -> Any:
+        """Log-probs of the rollout's responses under ``which`` ("actor" or "ref"),
+        at exactly the micro-batch geometry ``train`` will use."""
+
+    @abc.abstractmethod
+    def train(self, schedule: Any) -> dict[str, float]:
+        """Run every optimizer step of one rollout; return globally reduced metrics."""
+
+    @abc.abstractmethod
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+        """Yield the full weights as lists of ``(hf_name, tensor)`` under ``bucket_bytes``."""
+
+    @abc.abstractmethod
+    def save(self, rollout_id: int) -> None:
+        """Write ``iter_{rollout_id:07d}`` atomically and then the tracker file."""
+
+    @abc.abstractmethod
+    def export_hf(self, path: str) -> None:
+        """Write an HF folder (safetensors, config, tokenizer) of the current weights."""
+
+    def sleep(self) -> None:  # noqa: B027 - a no-op default is the contract on CPU
+        """Free accelerator memory between phases (no-op on CPU)."""
+
+    def wake_up(self) -> None:  # noqa: B027
+        """Restore what ``sleep`` freed (no-op on CPU)."""

@@ -1,0 +1,1 @@
+"""The ``fsdp2`` backend: HF transformers causal LMs sharded with torch ``fully_shard``."""

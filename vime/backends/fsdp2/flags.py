@@ -1,0 +1,85 @@
+"""Flags of the ``fsdp2`` backend and their validation.
+
+Where it fits: named by the registry, loaded by the CLI parser only when
+``--train-backend fsdp2`` is selected (or to recognise a misplaced fsdp2 flag).
+Argparse only: importing this module must not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vime.config.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+FSDP_MODES = ("full", "hybrid", "no_shard")
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the fsdp2 group to ``parser``."""
+    g = parser.add_argument_group("fsdp2 backend", "HF transformers + torch fully_shard")
+    g.add_argument(
+        "--fsdp-param-dtype",
+        choices=DTYPES,
+        default="auto",
+        help="compute dtype of the sharded parameters (auto: bfloat16 on GPU, float32 on CPU); "
+        "optimizer master weights stay float32",
+    )
+    g.add_argument(
+        "--fsdp-reduce-dtype",
+        choices=DTYPES,
+        default="float32",
+        help="dtype of the gradient reduce-scatter",
+    )
+    g.add_argument(
+        "--fsdp-mode",
+        choices=FSDP_MODES,
+        default="full",
+        help="full: shard over all ranks; hybrid: shard within --fsdp-shard-size ranks and "
+        "replicate across groups; no_shard: replicate (DDP-like)",
+    )
+    g.add_argument(
+        "--fsdp-shard-size", type=int, default=None, help="ranks per shard group (hybrid mode)"
+    )
+    g.add_argument(
+        "--fsdp-reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="free gathered parameters after each block's forward",
+    )
+    g.add_argument(
+        "--fsdp-cpu-offload", action="store_true", help="keep shards and optimizer on the host"
+    )
+    g.add_argument(
+        "--fsdp-block-classes",
+        default=None,
+        metavar="NAME[,NAME]",
+        help="decoder block classes to shard (default: the model's _no_split_modules)",
+    )
+    g.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in backward"
+    )
+    g.add_argument(
+        "--attn-implementation",
+        choices=ATTN_IMPLEMENTATIONS,
+        default="auto",
+        help="auto: flash_attention_2 on GPU when installed, else sdpa",
+    )
+
+
+def validate(args: argparse.Namespace) -> int:
+    """Check the fsdp2 flags; return the data-parallel size (every rank holds a data shard)."""
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.fsdp_mode == "hybrid":
+        shard = args.fsdp_shard_size
+        if shard is None:
+            raise ConfigError("--fsdp-mode hybrid needs --fsdp-shard-size (ranks per shard group)")
+        if shard <= 0 or world % shard != 0 or world // shard < 2:
+            raise ConfigError(
+                f"--fsdp-shard-size {shard} must divide the {world} training ranks into at "
+                "least 2 groups; use --fsdp-mode full for a single group"
+            )
+    elif args.fsdp_shard_size is not None:
+        raise ConfigError("--fsdp-shard-size only applies with --fsdp-mode hybrid")
+    return world

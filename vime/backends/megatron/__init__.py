@@ -1,0 +1,1 @@
+"""The ``megatron`` backend: megatron-core ``GPTModel`` with HF <-> Megatron weight conversion."""

@@ -1,0 +1,45 @@
+"""``vime-train``: parse -> build -> run, nothing else.
+
+Bad configuration ends here as one ``vime-train: error: ...`` line on stderr and
+exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from vime.config import Config, ConfigError, parse_args
+
+
+def _describe(config: Config) -> str:
+    samples = config.rollout_batch_size * config.n_samples_per_prompt
+    per_rank = config.global_batch_size // config.data_parallel_size
+    batching = (
+        f"rows of <= {config.max_tokens_per_gpu} tokens"
+        if config.use_dynamic_batch_size
+        else f"rows of {config.micro_batch_size} sample(s)"
+    )
+    return (
+        f"backend {config.train_backend}, data-parallel size {config.data_parallel_size}; "
+        f"each rollout: {config.rollout_batch_size} prompts x {config.n_samples_per_prompt} "
+        f"samples = {samples}, trained in {config.num_steps_per_rollout} optimizer step(s) of "
+        f"{config.global_batch_size} ({per_rank} per rank, packed in {batching})"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``vime-train`` console script; returns the exit status."""
+    try:
+        config = parse_args(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        print(f"vime-train: error: {err}", file=sys.stderr)
+        return 2
+    print(f"vime-train: configuration is valid: {_describe(config)}")
+    # The rollout/train loop (vime.trainer) is not written yet; say so instead of pretending.
+    print("vime-train: the training loop is not implemented yet; stopping after validation.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""The common flags of ``vime-train``, declared once, by group.
+
+Where it fits: ``vime.config.parser`` builds the parser from these groups plus
+the selected backend's own flags (``vime.backends.registry``); cross-flag rules
+live in ``vime.config.validate``. Choices that mirror ``vime.algo`` are spelled
+out here so that ``--help`` needs no torch import; a test keeps them equal.
+
+Names follow what slime / verl users type. On a CPU machine the "gpus" counts
+are numbers of processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+ROLLOUT_ENGINES = ("auto", "vllm", "hf")
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+AGGREGATION_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+POLICY_LOSS_LEVELS = ("token", "sequence")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+RM_TYPES = ("math", "exact", "builtin")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _cluster(p: argparse._ArgumentGroup) -> None:
+    p.add_argument(
+        "--actor-num-nodes", type=positive_int, default=1, help="nodes running training ranks"
+    )
+    p.add_argument(
+        "--actor-num-gpus-per-node",
+        type=positive_int,
+        default=1,
+        help="training ranks per node (GPUs; processes on a CPU machine)",
+    )
+    p.add_argument(
+        "--rollout-num-gpus",
+        type=positive_int,
+        default=None,
+        help="GPUs for rollout engines in total (default: one engine's worth; "
+        "with --colocate the training GPUs are shared)",
+    )
+    p.add_argument(
+        "--rollout-num-gpus-per-engine",
+        type=positive_int,
+        default=1,
+        help="GPUs per rollout engine (its tensor-parallel size)",
+    )
+    p.add_argument(
+        "--colocate",
+        action="store_true",
+        help="training and rollout share devices, sleeping in turn",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster instead of starting a local one (also read from RAY_ADDRESS)",
+    )
+
+
+def _rollout(p: argparse._ArgumentGroup) -> None:
+    p.add_argument(
+        "--rollout-engine",
+        choices=ROLLOUT_ENGINES,
+        default="auto",
+        help="vllm, hf (transformers generate), or auto: vllm when importable",
+    )
+    p.add_argument(
+        "--rollout-batch-size", type=positive_int, default=32, help="prompts per rollout"
+    )
+    p.add_argument(
+        "--n-samples-per-prompt",
+        type=positive_int,
+        default=8,
+        help="completions per prompt (the GRPO group size)",
+    )
+    p.add_argument(
+        "--rollout-max-prompt-len",
+        type=positive_int,
+        default=1024,
+        help="prompts longer than this (in tokens) are dropped and counted",
+    )
+    p.add_argument(
+        "--rollout-max-response-len",
+        type=positive_int,
+        default=1024,
+        help="maximum new tokens per completion",
+    )
+    p.add_argument(
+        "--rollout-temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature (> 0); log-probs are taken at this temperature",
+    )
+    p.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
+    p.add_argument("--rollout-top-k", type=int, default=-1, help="top-k sampling; -1 disables it")
+    p.add_argument(
+        "--rm-type",
+        choices=RM_TYPES,
+        default=None,
+        help="built-in reward: math (final answer), exact (string match), or the "
+        "built-in task's own (default for builtin: data)",
+    )
+    p.add_argument(
+        "--custom-rm-path",
+        default=None,
+        metavar="MODULE:FN",
+        help="user reward function, sync or async",
+    )
+    p.add_argument(
+        "--update-weight-buffer-size",
+        type=positive_int,
+        default=512 * 1024**2,
+        metavar="BYTES",
+        help="bytes per weight-sync bucket",
+    )
+
+
+def _data(p: argparse._ArgumentGroup) -> None:
+    p.add_argument(
+        "--hf-checkpoint",
+        default=None,
+        metavar="DIR",
+        help="local HF model folder (config, safetensors, tokenizer); "
+        "default: the embedded tiny model",
+    )
+    p.add_argument(
+        "--prompt-data",
+        default=None,
+        metavar="FILE",
+        help="jsonl or parquet prompts, or builtin:<task>",
+    )
+    p.add_argument(
+        "--eval-prompt-data",
+        default=None,
+        metavar="FILE",
+        help="held-out prompts scored without training",
+    )
+    p.add_argument("--input-key", default="prompt", help="prompt field of a data row")
+    p.add_argument("--label-key", default="label", help="label field of a data row")
+    p.add_argument("--metadata-key", default="metadata", help="metadata field of a data row")
+    p.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="wrap prompts in the tokenizer's chat template",
+    )
+    p.add_argument(
+        "--num-rollout",
+        type=positive_int,
+        default=None,
+        help="rollouts to run (default: as many as --num-epoch allows)",
+    )
+    p.add_argument("--num-epoch", type=positive_int, default=1, help="passes over the prompts")
+    p.add_argument(
+        "--seed", type=int, default=1234, help="seeds data order, sampling and model init"
+    )
+
+
+def _algorithm(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
+    p.add_argument(
+        "--custom-advantage-function-path",
+        default=None,
+        metavar="MODULE:FN",
+        help="replaces the advantage estimator; same signature as vime.algo.compute_advantages",
+    )
+    p.add_argument(
+        "--custom-loss-function-path",
+        default=None,
+        metavar="MODULE:FN",
+        help="replaces the policy loss; same signature as vime.algo.policy_loss",
+    )
+    p.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip: ratio >= 1 - eps")
+    p.add_argument(
+        "--eps-clip-high",
+        type=float,
+        default=None,
+        help="upper PPO clip: ratio <= 1 + eps_high (default --eps-clip)",
+    )
+    p.add_argument(
+        "--eps-clip-c",
+        type=float,
+        default=None,
+        help="dual-clip bound (> 1) for negative advantages; off by default",
+    )
+    p.add_argument(
+        "--policy-loss-level",
+        choices=POLICY_LOSS_LEVELS,
+        default="token",
+        help="token (PPO/GRPO) or sequence (GSPO) importance ratios",
+    )
+    p.add_argument(
+        "--use-kl-loss",
+        action="store_true",
+        help="add a KL penalty against the reference (initial) model",
+    )
+    p.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of the KL penalty")
+    p.add_argument(
+        "--kl-loss-type",
+        choices=KL_TYPES,
+        default=None,
+        help="KL estimator (default low_var_kl when --use-kl-loss)",
+    )
+    p.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus")
+    p.add_argument(
+        "--loss-agg-mode",
+        choices=AGGREGATION_MODES,
+        default="token-mean",
+        help="how per-token losses become one number",
+    )
+    p.add_argument(
+        "--use-tis",
+        action="store_true",
+        help="truncated importance sampling against the engine's log-probs",
+    )
+    p.add_argument("--tis-clip", type=float, default=2.0, help="upper bound of the TIS weight")
+    p.add_argument(
+        "--global-batch-size",
+        type=positive_int,
+        default=None,
+        help="samples per optimizer step (default: the whole rollout over --num-steps-per-rollout)",
+    )
+    p.add_argument(
+        "--num-steps-per-rollout",
+        type=positive_int,
+        default=None,
+        help="optimizer steps per rollout, on disjoint samples (default 1)",
+    )
+    p.add_argument(
+        "--shuffle-updates",
+        action="store_true",
+        help="shuffle samples before splitting them into optimizer steps",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=positive_int,
+        default=1,
+        help="samples per packed row (without --use-dynamic-batch-size)",
+    )
+    p.add_argument(
+        "--use-dynamic-batch-size",
+        action="store_true",
+        help="pack rows by tokens under --max-tokens-per-gpu",
+    )
+    p.add_argument(
+        "--max-tokens-per-gpu",
+        type=positive_int,
+        default=None,
+        help="token cap of one packed row with --use-dynamic-batch-size",
+    )
+
+
+def _optimizer(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--lr", type=float, default=1e-6, help="peak learning rate")
+    p.add_argument("--min-lr", type=float, default=0.0, help="floor of the decayed learning rate")
+    p.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
+    p.add_argument(
+        "--lr-warmup-samples",
+        type=non_negative_int,
+        default=0,
+        help="linear warmup length, in samples (so batch size changes keep it)",
+    )
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.0,
+        help="AdamW decay; biases and 1-D norm weights are never decayed",
+    )
+    p.add_argument("--adam-beta1", type=float, default=0.9)
+    p.add_argument("--adam-beta2", type=float, default=0.98)
+    p.add_argument("--adam-eps", type=float, default=1e-8)
+    p.add_argument(
+        "--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 disables clipping"
+    )
+
+
+def _checkpoint(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--save", default=None, metavar="DIR", help="checkpoint folder (iter_N/)")
+    p.add_argument(
+        "--load",
+        default=None,
+        metavar="DIR",
+        help="resume from the latest checkpoint here (may equal --save before the first save)",
+    )
+    p.add_argument(
+        "--save-interval",
+        type=positive_int,
+        default=None,
+        help="save every K rollouts (and at the end)",
+    )
+    p.add_argument(
+        "--keep-last-checkpoints",
+        type=positive_int,
+        default=None,
+        help="delete older iter_N folders beyond the last N",
+    )
+    p.add_argument(
+        "--save-hf",
+        default=None,
+        metavar="DIR",
+        help="write the final model as an HF folder (safetensors)",
+    )
+
+
+def _logging(p: argparse._ArgumentGroup) -> None:
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        metavar="DIR",
+        help="metrics.jsonl, plots, events (default runs/<timestamp>)",
+    )
+    p.add_argument("--use-tensorboard", action="store_true", help="write TensorBoard events")
+    p.add_argument("--use-wandb", action="store_true", help="log to Weights & Biases")
+
+
+GROUPS = (
+    ("cluster", "placement of training ranks and rollout engines", _cluster),
+    ("rollout", "generation and reward", _rollout),
+    ("data", "model, prompts and their fields", _data),
+    ("algorithm", "advantages, policy loss, KL, batching", _algorithm),
+    ("optimizer", "AdamW and the learning-rate schedule", _optimizer),
+    ("checkpoint", "save, resume and export", _checkpoint),
+    ("logging", "metrics and output", _logging),
+)
+
+
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
+    """Add every common flag to ``parser``, one argument group per topic."""
+    for title, description, add in GROUPS:
+        add(parser.add_argument_group(title, description))

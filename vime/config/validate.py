@@ -1,0 +1,138 @@
+"""Cross-flag validation and derived settings.
+
+Where it fits: the second half of ``vime.config.parser.parse_args``. Each rule
+raises ``ConfigError`` with one line that says what is wrong and how to fix it.
+Derived settings (the data-parallel size, the global batch size when only the
+number of steps is given, the default KL estimator) are filled in here, once,
+before the configuration is frozen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from vime.backends import registry
+from vime.config.errors import ConfigError
+
+BUILTIN_DATA_PREFIX = "builtin:"
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Check ``args`` in place and fill in derived settings; raise ``ConfigError``."""
+    args.data_parallel_size = registry.validator(args.train_backend)(args)
+    _check_paths(args)
+    _check_batches(args)
+    _check_sampling(args)
+    _check_algorithm(args)
+    _check_optimizer(args)
+    _check_checkpointing(args)
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    if args.hf_checkpoint is not None and not os.path.isdir(args.hf_checkpoint):
+        raise ConfigError(
+            f"--hf-checkpoint {args.hf_checkpoint}: no such directory (give a local HF model "
+            "folder with config.json and safetensors)"
+        )
+    for flag, path in (
+        ("--prompt-data", args.prompt_data),
+        ("--eval-prompt-data", args.eval_prompt_data),
+    ):
+        is_file_path = path is not None and not path.startswith(BUILTIN_DATA_PREFIX)
+        if is_file_path and not os.path.isfile(path):
+            raise ConfigError(f"{flag} {path}: no such file (or use builtin:<task>)")
+    # --load may name the --save folder before its first checkpoint exists (auto-resume).
+    if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
+        raise ConfigError(f"--load {args.load}: no such directory")
+
+
+def _check_batches(args: argparse.Namespace) -> None:
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    steps, gbs = args.num_steps_per_rollout, args.global_batch_size
+    if gbs is None:
+        steps = steps or 1
+        if samples % steps != 0:
+            raise ConfigError(
+                f"--num-steps-per-rollout {steps} does not divide the {samples} samples of a "
+                f"rollout (--rollout-batch-size {args.rollout_batch_size} x "
+                f"--n-samples-per-prompt {args.n_samples_per_prompt})"
+            )
+        gbs = samples // steps
+    if samples % gbs != 0:
+        raise ConfigError(
+            f"--rollout-batch-size x --n-samples-per-prompt = {samples} must be a multiple of "
+            f"--global-batch-size {gbs}"
+        )
+    if steps is not None and steps != samples // gbs:
+        raise ConfigError(
+            f"--num-steps-per-rollout {steps} disagrees with --global-batch-size {gbs}: "
+            f"{samples} samples make {samples // gbs} steps; give only one of the two"
+        )
+    dp = args.data_parallel_size
+    if gbs % dp != 0:
+        raise ConfigError(
+            f"--global-batch-size {gbs} must be a multiple of the data-parallel size {dp}"
+        )
+    args.global_batch_size = gbs
+    args.num_steps_per_rollout = samples // gbs
+    if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
+        raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu")
+    if args.max_tokens_per_gpu is not None and not args.use_dynamic_batch_size:
+        raise ConfigError("--max-tokens-per-gpu only applies with --use-dynamic-batch-size")
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    if not args.rollout_temperature > 0:
+        raise ConfigError(
+            f"--rollout-temperature must be > 0, got {args.rollout_temperature} "
+            "(greedy decoding is not a policy to train on)"
+        )
+    if not 0 < args.rollout_top_p <= 1:
+        raise ConfigError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
+    if args.rollout_top_k != -1 and args.rollout_top_k < 1:
+        raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {args.rollout_top_k}")
+
+
+def _check_algorithm(args: argparse.Namespace) -> None:
+    if not 0 < args.eps_clip < 1:
+        raise ConfigError(f"--eps-clip must be in (0, 1), got {args.eps_clip}")
+    if args.eps_clip_high is not None and not args.eps_clip_high > 0:
+        raise ConfigError(f"--eps-clip-high must be > 0, got {args.eps_clip_high}")
+    if args.eps_clip_c is not None and not args.eps_clip_c > 1:
+        raise ConfigError(f"--eps-clip-c (dual clip) must be > 1, got {args.eps_clip_c}")
+    if args.use_tis and not args.tis_clip > 0:
+        raise ConfigError(f"--tis-clip must be > 0, got {args.tis_clip}")
+    if args.kl_loss_type is not None and not args.use_kl_loss:
+        raise ConfigError(f"--kl-loss-type {args.kl_loss_type} needs --use-kl-loss")
+    if args.kl_loss_coef < 0:
+        raise ConfigError(f"--kl-loss-coef must be >= 0, got {args.kl_loss_coef}")
+    if args.kl_loss_coef > 0 and not args.use_kl_loss:
+        raise ConfigError(f"--kl-loss-coef {args.kl_loss_coef} needs --use-kl-loss")
+    if args.use_kl_loss and args.kl_loss_type is None:
+        args.kl_loss_type = "low_var_kl"
+    if args.entropy_coef < 0:
+        raise ConfigError(f"--entropy-coef must be >= 0, got {args.entropy_coef}")
+
+
+def _check_optimizer(args: argparse.Namespace) -> None:
+    if not args.lr > 0:
+        raise ConfigError(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.min_lr <= args.lr:
+        raise ConfigError(f"--min-lr must be in [0, --lr={args.lr}], got {args.min_lr}")
+    if args.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    for flag, beta in (("--adam-beta1", args.adam_beta1), ("--adam-beta2", args.adam_beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"{flag} must be in [0, 1), got {beta}")
+    if not args.adam_eps > 0:
+        raise ConfigError(f"--adam-eps must be > 0, got {args.adam_eps}")
+    if args.clip_grad < 0:
+        raise ConfigError(f"--clip-grad must be >= 0 (0 disables it), got {args.clip_grad}")
+
+
+def _check_checkpointing(args: argparse.Namespace) -> None:
+    if args.save_interval is not None and args.save is None:
+        raise ConfigError("--save-interval needs --save DIR")
+    if args.keep_last_checkpoints is not None and args.save is None:
+        raise ConfigError("--keep-last-checkpoints needs --save DIR")
