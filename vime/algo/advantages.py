@@ -1,0 +1,92 @@
+"""Group-relative advantage estimators: per-sample rewards ``[N]`` -> advantages ``[N]``.
+
+Where it fits: the RolloutManager calls :func:`compute_advantages` once per
+rollout step, after scoring, on the rewards of all ``N = prompts × n`` samples.
+The ``n`` samples of one prompt are contiguous (rows ``[g·n, (g+1)·n)`` form
+group ``g``). The result is one scalar per sample; the loss broadcasts it over
+the sample's response tokens.
+
+A custom estimator given with ``--custom-advantage-function-path`` must have
+this same signature.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus_baseline",
+)
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    n_samples_per_prompt: int,
+    estimator: str = "grpo",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Advantages of ``N`` samples in contiguous groups of ``n = n_samples_per_prompt``.
+
+    With rᵢ the reward of sample i, ḡ its group's mean and σ_g the group's
+    Bessel-corrected standard deviation (Σ (r − ḡ)² / (n − 1)):
+
+    - ``grpo``:    Aᵢ = (rᵢ − ḡ) / (σ_g + eps)
+    - ``dr_grpo``: Aᵢ = rᵢ − ḡ                       (Dr. GRPO: no std division)
+    - ``rloo``:    Aᵢ = rᵢ − (1/(n−1)) Σ_{j≠i} rⱼ  =  n/(n−1) · (rᵢ − ḡ)
+    - ``reinforce_plus_plus_baseline``: xᵢ = rᵢ − ḡ, then whitened over the
+      whole batch: Aᵢ = (xᵢ − x̄) / (σ_x + eps), σ_x Bessel-corrected over N.
+
+    Exact zeros, never NaN: a group whose rewards are all equal (including a
+    group of one) carries no learning signal, so every estimator gives exactly
+    0 there rather than a rounding residue or 0/0. Likewise the whitening of
+    ``reinforce_plus_plus_baseline`` gives 0 when all xᵢ are equal or N = 1.
+
+    Computed in float64; returned in the dtype of ``rewards`` (the default
+    float dtype if ``rewards`` is an integer or bool tensor).
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"unknown advantage estimator {estimator!r}; choose from {ADVANTAGE_ESTIMATORS}"
+        )
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
+    n = n_samples_per_prompt
+    num = rewards.shape[0]
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"n_samples_per_prompt must be a positive int; got {n!r}")
+    if num % n != 0:
+        raise ValueError(
+            f"n_samples_per_prompt={n} does not divide the number of rewards N={num}; "
+            "rewards must hold whole groups of contiguous samples per prompt"
+        )
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+
+    groups = rewards.detach().to(torch.float64).view(-1, n)
+    # A group with max == min gets exact zeros below; the rounding of a float
+    # mean (e.g. 3·0.1 / 3 != 0.1) would otherwise leave ±1e-17 residues that
+    # grpo's division by (0 + eps) blows up to ±1e-11.
+    flat = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
+    centered = groups - groups.mean(dim=1, keepdim=True)
+
+    if estimator == "grpo":
+        # n == 1 is always `flat`; unbiased std of one value is NaN, so use
+        # correction only when n > 1.
+        std = groups.std(dim=1, keepdim=True, correction=1 if n > 1 else 0)
+        adv = centered / (std + eps)
+    elif estimator == "dr_grpo":
+        adv = centered
+    elif estimator == "rloo":
+        adv = centered * (n / (n - 1)) if n > 1 else centered
+    else:  # reinforce_plus_plus_baseline
+        adv = torch.where(flat, torch.zeros_like(centered), centered).flatten()
+        if adv.numel() > 1 and bool(adv.amax() != adv.amin()):
+            adv = (adv - adv.mean()) / (adv.std(correction=1) + eps)
+        else:
+            adv = torch.zeros_like(adv)
+        return adv.to(out_dtype)
+
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    return adv.flatten().to(out_dtype)

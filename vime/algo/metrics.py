@@ -1,0 +1,119 @@
+"""Weighted metric reduction across micro-batches and data-parallel ranks.
+
+Where it fits: a backend's ``train`` adds each micro-batch's metrics
+(clipfrac, ppo_kl, entropy, ...) to one :class:`MetricAccumulator`, then, for
+the cross-rank step, all-reduces ``to_tensor()`` with SUM on its own process
+group and rebuilds the result with ``from_tensor``. Every metric is kept as
+(weighted sum, total weight) rather than as a mean, so averaging over a ragged
+last micro-batch or an uneven DP split weights each token (or sample) once:
+the mean of means of unequal parts is not the mean of the whole.
+
+Sums are float64 tensors kept on the device of the values, so adding a
+micro-batch never forces a device sync; only ``means()`` reads them back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Number = float | int | torch.Tensor
+
+
+class MetricAccumulator:
+    """Per metric name, a weighted sum S and a weight W; the reported mean is S / W.
+
+    - ``add_tokens(name, v[B, T], m)``: S += Σ v·m,  W += Σ m      (token-weighted)
+    - ``add_samples(name, v[B], w)``:  S += Σ v·w,  W += Σ w      (w defaults to 1)
+    - ``add(name, total, weight)``:    S += total,  W += weight
+    - ``merge(other)``: adds other's S and W name by name.
+
+    A name whose total weight is 0 (e.g. only empty masks were added) is
+    omitted from ``means()``: "no data" is not a measured 0.
+    """
+
+    def __init__(self) -> None:
+        self._sums: dict[str, torch.Tensor] = {}
+        self._weights: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, total: Number, weight: Number) -> None:
+        """S[name] += total, W[name] += weight."""
+        device = total.device if isinstance(total, torch.Tensor) else None
+        total = torch.as_tensor(total, dtype=torch.float64, device=device).detach()
+        weight = torch.as_tensor(weight, dtype=torch.float64, device=total.device).detach()
+        if name in self._sums:
+            self._sums[name] = self._sums[name] + total.to(self._sums[name].device)
+            self._weights[name] = self._weights[name] + weight.to(self._weights[name].device)
+        else:
+            self._sums[name] = total
+            self._weights[name] = weight
+
+    def add_tokens(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Token-weighted: S += Σ v·m, W += Σ m over a ``[B, T]`` batch."""
+        if values.shape != mask.shape:
+            raise ValueError(
+                f"values and mask shapes differ: {tuple(values.shape)} vs {tuple(mask.shape)}"
+            )
+        m = mask.detach().to(torch.float64)
+        # where, not v·m: a NaN at a padded position must not poison the sum.
+        v = torch.where(m > 0, values.detach().to(torch.float64), 0.0)
+        self.add(name, (v * m).sum(), m.sum())
+
+    def add_samples(
+        self, name: str, values: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> None:
+        """Sample-weighted: S += Σ v·w, W += Σ w over a ``[B]`` batch (w = 1 if None)."""
+        v = values.detach().to(torch.float64).reshape(-1)
+        if weights is None:
+            self.add(name, v.sum(), float(v.numel()))
+            return
+        w = weights.detach().to(torch.float64).reshape(-1)
+        if w.shape != v.shape:
+            raise ValueError(f"values and weights sizes differ: {v.numel()} vs {w.numel()}")
+        self.add(name, (v * w).sum(), w.sum())
+
+    def merge(self, other: MetricAccumulator) -> MetricAccumulator:
+        """Add every (S, W) of ``other`` into this one; returns self."""
+        for name in other._sums:
+            self.add(name, other._sums[name], other._weights[name])
+        return self
+
+    def names(self) -> list[str]:
+        return sorted(self._sums)
+
+    def means(self) -> dict[str, float]:
+        """{name: S / W} for every name with W != 0, as Python floats."""
+        names, packed = self.to_tensor(device="cpu")
+        k = len(names)
+        sums, weights = packed[:k].tolist(), packed[k:].tolist()
+        return {n: s / w for n, s, w in zip(names, sums, weights, strict=True) if w != 0}
+
+    def to_tensor(self, device: torch.device | str | None = None) -> tuple[list[str], torch.Tensor]:
+        """Pack as ``(names, t)``, names sorted, t = [S₀ … S_{N−1}, W₀ … W_{N−1}] float64.
+
+        ``all_reduce(t, SUM)`` over ranks then :meth:`from_tensor` gives the
+        global accumulator. Every rank must hold the same names (the same code
+        path adds the same metrics; an empty mask still registers its name).
+        ``device`` defaults to the device of the first metric (CPU if none).
+        """
+        names = self.names()
+        if device is None:
+            device = self._sums[names[0]].device if names else "cpu"
+        if not names:
+            return names, torch.zeros(0, dtype=torch.float64, device=device)
+        sums = [self._sums[n].to(device) for n in names]
+        weights = [self._weights[n].to(device) for n in names]
+        return names, torch.stack(sums + weights)
+
+    @classmethod
+    def from_tensor(cls, names: list[str], tensor: torch.Tensor) -> MetricAccumulator:
+        """Inverse of :meth:`to_tensor` (after any summing of the tensor)."""
+        if tensor.dim() != 1 or tensor.numel() != 2 * len(names):
+            raise ValueError(
+                f"expected a 1-D tensor of 2·{len(names)} values; got shape {tuple(tensor.shape)}"
+            )
+        acc = cls()
+        tensor = tensor.detach().to(torch.float64).clone()  # own storage, not the caller's buffer
+        k = len(names)
+        for i, name in enumerate(names):
+            acc.add(name, tensor[i], tensor[k + i])
+        return acc

@@ -1,0 +1,188 @@
+"""One planned micro-batch -> one padding-free packed row, and logits -> per-sample values.
+
+Where it fits: the planner (``vime.data.packing``) decides *which* samples share
+a micro-batch; this module builds the tensors a backend forwards and turns the
+model's logits back into the ``[B, T]`` per-sample response tensors that the
+``vime.algo`` losses consume. Both training backends use it, so packed and
+unpacked forwards give the same numbers whichever backend runs.
+
+Layout of a packed row of B samples (sample i = prompt pᵢ tokens + response rᵢ tokens)::
+
+    input_ids     [1, L]   s₀ tokens | s₁ tokens | ... | padding
+    position_ids  [1, L]   0..n₀-1   | 0..n₁-1   | ... | 0..pad-1
+    cu_seqlens    [B+1]    0, n₀, n₀+n₁, ...            (int32, samples only)
+
+HF transformers derives the per-sample attention boundaries from the restarts
+of ``position_ids`` -- but only when no KV cache is built, so every training or
+log-prob forward must pass ``use_cache=False`` (with a cache, packed samples
+silently attend to each other). Padding sits after every sample and forms its
+own position run, so under causal attention it cannot affect any sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from vime.algo.entropy import entropy_from_logits
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Tensors of one packed micro-batch (see the module docstring for the layout).
+
+    ``loss_mask`` is ``[B, T]`` float 0/1 with T the longest response of the
+    micro-batch; entries past a sample's response are 0. An empty micro-batch
+    (B = 0, the planner's filler for ranks with fewer samples) is a dummy row
+    of ``pad_to_multiple_of`` (default 1) padding tokens: the backend still
+    runs its forward/backward so collectives line up, and every ``[B, T]``
+    output is ``[0, 0]`` so the loss is exactly 0 (with a gradient path).
+    """
+
+    input_ids: torch.Tensor  # [1, L] long
+    position_ids: torch.Tensor  # [1, L] long
+    cu_seqlens: torch.Tensor  # [B+1] int32
+    prompt_lengths: torch.Tensor  # [B] long
+    response_lengths: torch.Tensor  # [B] long
+    loss_mask: torch.Tensor  # [B, T] float32
+    max_seqlen: int  # longest sample (for varlen attention kernels)
+    pad_length: int  # padding tokens at the end of the row
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.prompt_lengths.shape[0])
+
+    @property
+    def row_length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def model_inputs(self) -> dict[str, torch.Tensor | bool]:
+        """Keyword arguments for an HF causal-LM forward over this row.
+
+        ``use_cache=False`` is not optional: with a cache, transformers does not
+        derive sample boundaries from ``position_ids`` and packed samples attend
+        to each other (measured on transformers 5.19).
+        """
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+            else getattr(self, f.name)
+            for f in fields(self)
+        }
+        return PackedBatch(**moved)
+
+
+def pack_micro_batch(
+    token_ids: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    loss_masks: Sequence[Sequence[int]] | None = None,
+    pad_to_multiple_of: int = 1,
+) -> PackedBatch:
+    """Concatenate samples (prompt + response token ids) into one padding-free row.
+
+    ``prompt_lengths[i]`` splits ``token_ids[i]`` into prompt and response;
+    ``loss_masks[i]`` (one 0/1 per response token) defaults to all ones. The
+    row is right-padded with token 0 to a multiple of ``pad_to_multiple_of``.
+    """
+    if len(prompt_lengths) != len(token_ids):
+        raise ValueError(f"{len(token_ids)} samples but {len(prompt_lengths)} prompt_lengths")
+    if loss_masks is not None and len(loss_masks) != len(token_ids):
+        raise ValueError(f"{len(token_ids)} samples but {len(loss_masks)} loss_masks")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    lengths = [len(ids) for ids in token_ids]
+    responses = [n - p for n, p in zip(lengths, prompt_lengths, strict=True)]
+    for i, (n, p) in enumerate(zip(lengths, prompt_lengths, strict=True)):
+        # The first response token is predicted from the last prompt token.
+        if not 1 <= p <= n:
+            raise ValueError(f"sample {i}: need 1 <= prompt_length <= {n} tokens, got {p}")
+    batch_size = len(token_ids)
+    width = max(responses, default=0)
+    loss_mask = torch.zeros(batch_size, width, dtype=torch.float32)
+    for i, r in enumerate(responses):
+        if loss_masks is None:
+            loss_mask[i, :r] = 1.0
+            continue
+        if len(loss_masks[i]) != r:
+            raise ValueError(f"sample {i}: loss mask has {len(loss_masks[i])} entries, needs {r}")
+        loss_mask[i, :r] = torch.as_tensor(loss_masks[i], dtype=torch.float32)
+    if not torch.all((loss_mask == 0) | (loss_mask == 1)):
+        raise ValueError("loss masks must be 0/1")
+
+    used = sum(lengths)
+    # An empty micro-batch still needs a token to forward (see PackedBatch).
+    row = max(used, 1)
+    row = -(-row // pad_to_multiple_of) * pad_to_multiple_of
+    seq_lengths = torch.tensor([*lengths, row - used], dtype=torch.long)
+    starts = torch.cumsum(seq_lengths, 0) - seq_lengths
+    # Position = offset inside its own run: samples and the padding run all restart at 0.
+    position_ids = torch.arange(row) - torch.repeat_interleave(starts, seq_lengths)
+    input_ids = torch.zeros(row, dtype=torch.long)
+    if used:
+        input_ids[:used] = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
+    cu_seqlens = torch.zeros(batch_size + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(seq_lengths[:batch_size], 0)
+    return PackedBatch(
+        input_ids=input_ids.unsqueeze(0),
+        position_ids=position_ids.unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        prompt_lengths=torch.tensor(list(prompt_lengths), dtype=torch.long),
+        response_lengths=torch.tensor(responses, dtype=torch.long),
+        loss_mask=loss_mask,
+        max_seqlen=max(lengths, default=0),
+        pad_length=row - used,
+    )
+
+
+def response_log_probs(
+    logits: torch.Tensor,
+    batch: PackedBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-sample response log-probs ``[B, T]`` (and entropies) from a packed row's logits.
+
+    ``logits`` is ``[1, L, V]`` or ``[L, V]``. Entry ``[i, t]`` is
+    log softmax(z / temperature)[token] of response token t of sample i, with z
+    the logits at the position before it -- divided by the sampling
+    temperature so they match the rollout engine's log-probs. With
+    ``with_entropy``, also the entropy of that same tempered distribution.
+    Entries where ``batch.loss_mask`` is 0 (padding past a response, or tokens
+    excluded from the loss) are 0 and cost nothing: only the loss positions'
+    logits are gathered (``[N, V]``, upcast to float32 if lower precision)
+    before any softmax. Differentiable w.r.t. ``logits``; for an empty batch the
+    ``[0, 0]`` outputs still hang off ``logits`` so a backward is valid.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dim() == 3:
+        if logits.shape[0] != 1:
+            raise ValueError(f"a packed row has batch dim 1; got logits {tuple(logits.shape)}")
+        logits = logits[0]
+    if logits.dim() != 2 or logits.shape[0] != batch.row_length:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} do not match a packed row of {batch.row_length} tokens"
+        )
+    sample, step = batch.loss_mask.nonzero(as_tuple=True)  # [N] each
+    response_start = batch.cu_seqlens[:-1].long() + batch.prompt_lengths
+    token_pos = response_start[sample] + step
+    # Causal LM: the token at position p is predicted by the logits at p - 1.
+    picked = logits.index_select(0, token_pos - 1)
+    picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
+    if temperature != 1.0:
+        picked = picked / temperature
+    targets = batch.input_ids[0, token_pos].unsqueeze(-1)
+    # gather − logsumexp avoids materializing a full [N, V] log-softmax.
+    token_logp = picked.gather(-1, targets).squeeze(-1) - torch.logsumexp(picked, dim=-1)
+    shape = tuple(batch.loss_mask.shape)
+    log_probs = picked.new_zeros(shape).index_put((sample, step), token_logp)
+    if not with_entropy:
+        return log_probs, None
+    entropy = entropy_from_logits(picked)
+    return log_probs, entropy.new_zeros(shape).index_put((sample, step), entropy)
