@@ -6,6 +6,7 @@ exit status 2, never a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -30,6 +31,9 @@ def _describe(config: Config) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vime-train`` console script; returns the exit status."""
+    # Hooks given as module:function resolve against the working directory, as under python -m.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as err:

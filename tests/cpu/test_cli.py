@@ -8,15 +8,21 @@ backend adds its flags, and that parsing imports neither torch nor a backend.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 
 def run_cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    # The installed console script, as a user runs it (not python -m, which adds cwd itself).
+    script = Path(sys.executable).with_name("vime-train")
+    if not script.exists():
+        script = Path(shutil.which("vime-train") or "vime-train")
     return subprocess.run(
-        [sys.executable, "-m", "vime.cli", *args],
+        [str(script), *args],
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -170,3 +176,24 @@ def test_parsing_imports_neither_torch_nor_a_backend() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_custom_hooks_are_checked_at_start_up(tmp_path) -> None:
+    (tmp_path / "myhooks.py").write_text(
+        "def adv(rewards, n_samples_per_prompt, estimator='grpo', eps=1e-6):\n"
+        "    return rewards\n"
+        "def bad(x):\n"
+        "    return x\n"
+    )
+    ok = run_cli("--custom-advantage-function-path", "myhooks:adv", cwd=str(tmp_path))
+    assert ok.returncode == 0, ok.stderr
+    assert_one_line_error(
+        run_cli("--custom-advantage-function-path", "myhooks:bad", cwd=str(tmp_path)),
+        "--custom-advantage-function-path myhooks:bad",
+        "missing or misplaced",
+    )
+    assert_one_line_error(
+        run_cli("--custom-loss-function-path", "no_such_module:fn", cwd=str(tmp_path)),
+        "--custom-loss-function-path",
+        "no_such_module",
+    )

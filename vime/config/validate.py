@@ -25,6 +25,7 @@ def validate(args: argparse.Namespace) -> None:
     _check_batches(args)
     _check_sampling(args)
     _check_algorithm(args)
+    _check_custom_functions(args)
     _check_optimizer(args)
     _check_checkpointing(args)
 
@@ -113,6 +114,27 @@ def _check_algorithm(args: argparse.Namespace) -> None:
         args.kl_loss_type = "low_var_kl"
     if args.entropy_coef < 0:
         raise ConfigError(f"--entropy-coef must be >= 0, got {args.entropy_coef}")
+
+
+def _check_custom_functions(args: argparse.Namespace) -> None:
+    """Import user hooks now, so a typo fails at start-up rather than after the first rollout."""
+    hooks = (
+        (
+            "--custom-advantage-function-path",
+            args.custom_advantage_function_path,
+            "compute_advantages",
+        ),
+        ("--custom-loss-function-path", args.custom_loss_function_path, "policy_loss"),
+    )
+    for flag, spec, builtin in hooks:
+        if spec is None:
+            continue
+        import vime.algo  # torch is imported only when a hook is given
+
+        try:
+            vime.algo.load_function(spec, expected=getattr(vime.algo, builtin))
+        except ValueError as err:
+            raise ConfigError(f"{flag} {spec}: {err}") from None
 
 
 def _check_optimizer(args: argparse.Namespace) -> None:
