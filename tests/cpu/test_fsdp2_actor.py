@@ -1,0 +1,297 @@
+"""The fsdp2 backend on real gloo process groups (CPU, fp32, tiny random Qwen3).
+
+Proves: the sharded model's packed log-probs equal an unsharded model's
+per-sample log-probs; the step-0 gradient on two ranks equals a plain fp32
+computation of the same loss written here independently (entropy + KL terms,
+so it is not zero, and the test fails if it is); dp=1 and dp=2 give the same
+weights after two rollouts with KL against a reference that by then differs
+from the actor, for token-mean and seq-mean-token-mean; the reference swap
+restores the actor bit for bit; a non-finite gradient skips the step; save ->
+new processes -> load -> continue equals the uninterrupted run bitwise; the HF
+export loads in transformers with the same logits.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from vime.config import parse_args
+from vime.data.batch import RolloutBatch, schedule
+
+VOCAB = 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def make_batch(rollout_id: int, n: int = 8, nan: bool = False) -> RolloutBatch:
+    rng = random.Random(rollout_id)
+    tokens, prompts, masks = [], [], []
+    for _ in range(n):
+        p, r = rng.randint(2, 6), rng.randint(1, 9)
+        tokens.append([rng.randrange(VOCAB) for _ in range(p + r)])
+        prompts.append(p)
+        masks.append([1 if rng.random() > 0.15 else 0 for _ in range(r)])
+    adv = [rng.gauss(0, 1) for _ in range(n)]
+    if nan:
+        adv[0] = float("nan")
+    return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
+
+
+def make_args(hf: str, world: int, *extra: str):
+    return parse_args(
+        [
+            "--hf-checkpoint",
+            hf,
+            "--actor-num-gpus-per-node",
+            str(world),
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--lr",
+            "1e-3",
+            "--entropy-coef",
+            "0.01",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.1",
+            "--kl-loss-type",
+            "k3",
+            "--micro-batch-size",
+            "2",
+            *extra,
+        ]
+    )
+
+
+def _worker(rank: int, world: int, port: int, scenario: str, args, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    from vime.backends.fsdp2.actor import FSDP2Actor
+
+    actor = FSDP2Actor()
+    start = actor.init(args)
+    result = SCENARIOS[scenario](actor, args, start)
+    if rank == 0:
+        torch.save(result, out)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(scenario: str, args, world: int, tmp_path: Path):
+    out = str(tmp_path / f"{scenario}_{world}_{random.random()}.pt")
+    mp.spawn(_worker, args=(world, _free_port(), scenario, args, out), nprocs=world)
+    return torch.load(out, weights_only=False)
+
+
+def _full_weights(actor) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for bucket in actor.weight_buckets(1 << 30) for n, t in bucket}
+
+
+def _sched(args, rollout_id: int, dp: int, **kw):
+    return schedule(
+        make_batch(rollout_id, **kw),
+        global_batch_size=args.global_batch_size,
+        dp_size=dp,
+        micro_batch_size=args.micro_batch_size,
+        rollout_id=rollout_id,
+    )
+
+
+def scenario_train(actor, args, start, count: int = 2):
+    rollouts = range(start, start + count)
+    metrics = [actor.train(_sched(args, rid, actor.world)) for rid in rollouts]
+    return {"weights": _full_weights(actor), "metrics": metrics, "start": start}
+
+
+def scenario_train4(actor, args, start):
+    return scenario_train(actor, args, start, count=4)
+
+
+def scenario_logprobs_and_grad(actor, args, start):
+    sched = _sched(args, 0, actor.world)
+    before = [p.to_local().clone() for p in actor.params]
+    ref = actor.compute_log_probs(sched, "ref")
+    restored = all(torch.equal(b, p.to_local()) for b, p in zip(before, actor.params, strict=True))
+    own = actor.compute_log_probs(sched, "actor")
+    import torch.distributed as dist
+
+    gathered = [None] * actor.world
+    dist.all_gather_object(gathered, own)
+    from vime.algo.metrics import MetricAccumulator
+
+    # Old log-probs recomputed at the training geometry: the first update's ratio is exactly 1.
+    metrics = MetricAccumulator()
+    actor.backward_step(sched, 0, metrics, ref=ref, old=own)
+    grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+    merged = {k: v for part in gathered for k, v in part.items()}
+    names, packed = metrics.to_tensor()
+    dist.all_reduce(packed)
+    first = MetricAccumulator.from_tensor(names, packed).means()
+    return {"logp": merged, "grads": grads, "restored": restored, "first": first}
+
+
+def scenario_nan(actor, args, start):
+    before = _full_weights(actor)
+    sched = schedule(
+        make_batch(0, nan=True), global_batch_size=8, dp_size=actor.world, micro_batch_size=2
+    )
+    metrics = actor.train(sched)
+    return {"before": before, "after": _full_weights(actor), "metrics": metrics}
+
+
+def scenario_save(actor, args, start):
+    result = scenario_train(actor, args, start)
+    actor.save(start + 1)
+    return result
+
+
+def scenario_export(actor, args, start):
+    actor.train(_sched(args, 0, actor.world))
+    actor.export_hf(args.save_hf)
+    return {"weights": _full_weights(actor)}
+
+
+SCENARIOS = {
+    f.__name__.removeprefix("scenario_"): f
+    for f in (
+        scenario_train,
+        scenario_train4,
+        scenario_logprobs_and_grad,
+        scenario_nan,
+        scenario_save,
+        scenario_export,
+    )
+}
+
+
+def _reference_loss(model, batch: RolloutBatch, indices, args) -> torch.Tensor:
+    """The loss written plainly, per sample, unpacked: GRPO (ratio 1) + k3 KL + entropy."""
+    total_tokens = sum(sum(batch.loss_masks[i]) for i in indices)
+    loss = torch.zeros(())
+    for i in indices:
+        ids = torch.tensor([batch.tokens[i]])
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        p = batch.prompt_lengths[i]
+        logprobs = torch.log_softmax(logits[p - 1 : -1], dim=-1)
+        target = ids[0, p:]
+        logp = logprobs.gather(1, target[:, None])[:, 0]
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+        ratio = torch.exp(logp - logp.detach())
+        pg = -batch.advantages[i] * ratio  # unclipped at ratio 1
+        ref_logp = logp.detach()  # reference == initial actor at step 0
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+        per_token = pg + args.kl_loss_coef * kl - args.entropy_coef * entropy
+        mask = torch.tensor(batch.loss_masks[i], dtype=torch.float32)
+        loss = loss + (per_token * mask).sum()
+    return loss / total_tokens
+
+
+def test_logprobs_gradient_and_reference_swap(hf_dir, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    args = make_args(hf_dir, 2)
+    got = run("logprobs_and_grad", args, 2, tmp_path)
+    assert got["restored"], "reference swap did not restore the actor bit for bit"
+    assert got["first"]["ppo_kl"] == 0.0 and got["first"]["clipfrac"] == 0.0
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    batch = make_batch(0)
+    for i, logp in got["logp"].items():
+        ids = torch.tensor([batch.tokens[i]])
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+        p = batch.prompt_lengths[i]
+        expected = torch.log_softmax(logits[p - 1 : -1], -1).gather(1, ids[0, p:, None])[:, 0]
+        mask = torch.tensor(batch.loss_masks[i], dtype=torch.bool)
+        torch.testing.assert_close(logp[mask], expected[mask], atol=1e-5, rtol=0)
+    assert len(got["logp"]) == len(batch)
+    step0 = _sched(args, 0, 2).plan.steps[0].sample_indices
+    _reference_loss(model, batch, step0, args).backward()
+    ref_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters()))
+    assert ref_norm > 1e-3, "reference gradient is zero: the comparison would prove nothing"
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_dp1_equals_dp2(hf_dir, tmp_path, mode) -> None:
+    one = run("train", make_args(hf_dir, 1, "--loss-agg-mode", mode), 1, tmp_path)
+    two = run("train", make_args(hf_dir, 2, "--loss-agg-mode", mode), 2, tmp_path)
+    assert one["metrics"][1]["train/kl_loss"] > 0, "reference never differed from the actor"
+    # Same gradient up to fp32 summation order; AdamW divides by sqrt(v), which turns a
+    # 1e-7 gradient difference on a tiny-gradient weight into ~1e-6 of a 1e-3 step.
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], w, rtol=1e-4, atol=1e-5)
+    for key in ("train/loss", "train/grad_norm", "train/ppo_kl", "train/entropy"):
+        assert two["metrics"][1][key] == pytest.approx(one["metrics"][1][key], rel=1e-4, abs=1e-7)
+    assert one["metrics"][1]["train/ppo_kl"] != 0.0, "second update should be off-policy"
+
+
+def test_non_finite_gradient_skips_step(hf_dir, tmp_path) -> None:
+    got = run("nan", make_args(hf_dir, 2), 2, tmp_path)
+    assert got["metrics"]["train/skipped_steps"] == 1.0
+    for name, w in got["before"].items():
+        assert torch.equal(got["after"][name], w), name
+
+
+def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    common = ("--num-rollout", "4", "--lr-decay-style", "cosine", "--lr-warmup-samples", "8")
+    whole = run("train4", make_args(hf_dir, 2, *common), 2, tmp_path)
+    first = run("save", make_args(hf_dir, 2, *common, "--save", ckpt), 2, tmp_path)
+    # New processes: load the checkpoint of rollout 1 and run rollouts 2 and 3.
+    resumed = run(
+        "train", make_args(hf_dir, 2, *common, "--load", ckpt, "--save", ckpt), 2, tmp_path
+    )
+    assert resumed["start"] == 2
+    assert first["metrics"] == whole["metrics"][:2]
+    assert resumed["metrics"] == whole["metrics"][2:]
+    for name, weight in whole["weights"].items():
+        assert torch.equal(resumed["weights"][name], weight), name
+
+
+def test_hf_export_same_logits(hf_dir, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "export")
+    got = run("export", make_args(hf_dir, 2, "--save-hf", out), 2, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), got["weights"][name]), name

@@ -1,0 +1,97 @@
+"""What a rollout hands to training: the samples' tokens, masks, advantages and the plan.
+
+Where it fits: the rollout side fills a ``RolloutBatch`` (sample i = prompt +
+response tokens of completion i, groups of one prompt contiguous), ``schedule``
+plans it once with ``vime.data.packing``, and every training rank of either
+backend receives the same ``TrainSchedule`` and reads its own part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vime.data.micro_batch import PackedBatch, pack_micro_batch
+from vime.data.packing import RolloutPlan, plan_rollout
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Token-level content of one rollout's samples.
+
+    ``loss_masks[i]`` has one 0/1 per response token (all zero for a sample
+    excluded from the loss, e.g. a failed reward); ``rollout_log_probs[i]``
+    (one per response token, from the engine) is optional.
+    """
+
+    tokens: list[list[int]]
+    prompt_lengths: list[int]
+    loss_masks: list[list[int]]
+    advantages: list[float]
+    rollout_log_probs: list[list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        sizes = [len(self.prompt_lengths), len(self.loss_masks), len(self.advantages)]
+        if self.rollout_log_probs is not None:
+            sizes.append(len(self.rollout_log_probs))
+        if any(size != n for size in sizes):
+            raise ValueError(f"RolloutBatch fields disagree on the number of samples: {n}, {sizes}")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def pack(self, indices: Sequence[int]) -> PackedBatch:
+        """The packed row of samples ``indices`` (one planned micro-batch)."""
+        return pack_micro_batch(
+            [self.tokens[i] for i in indices],
+            [self.prompt_lengths[i] for i in indices],
+            [self.loss_masks[i] for i in indices],
+        )
+
+    def advantages_of(self, indices: Sequence[int]) -> torch.Tensor:
+        return torch.tensor([self.advantages[i] for i in indices], dtype=torch.float32)
+
+    def rollout_log_probs_of(self, indices: Sequence[int], width: int) -> torch.Tensor | None:
+        """``[B, width]`` engine log-probs of samples ``indices`` (zero-padded), or None."""
+        if self.rollout_log_probs is None:
+            return None
+        out = torch.zeros(len(indices), width, dtype=torch.float32)
+        for row, i in enumerate(indices):
+            values = self.rollout_log_probs[i]
+            out[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        return out
+
+
+@dataclass(frozen=True)
+class TrainSchedule:
+    """A rollout batch and its plan: the unit ``TrainActor.train`` consumes."""
+
+    batch: RolloutBatch
+    plan: RolloutPlan
+    rollout_id: int = 0
+
+
+def schedule(
+    batch: RolloutBatch,
+    *,
+    global_batch_size: int,
+    dp_size: int,
+    max_tokens_per_gpu: int | None = None,
+    micro_batch_size: int | None = None,
+    shuffle_seed: int | None = None,
+    rollout_id: int = 0,
+) -> TrainSchedule:
+    """Plan ``batch`` into optimizer steps, per-rank shares and packed micro-batches."""
+    plan = plan_rollout(
+        [len(t) for t in batch.tokens],
+        [int(sum(m)) for m in batch.loss_masks],
+        global_batch_size=global_batch_size,
+        dp_size=dp_size,
+        max_tokens_per_gpu=max_tokens_per_gpu,
+        micro_batch_size=None if max_tokens_per_gpu is not None else micro_batch_size,
+        shuffle_seed=shuffle_seed,
+    )
+    return TrainSchedule(batch=batch, plan=plan, rollout_id=rollout_id)
