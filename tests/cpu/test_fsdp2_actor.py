@@ -54,6 +54,25 @@ def hf_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
 def make_batch(rollout_id: int, n: int = 8, nan: bool = False) -> RolloutBatch:
     rng = random.Random(rollout_id)
     tokens, prompts, masks = [], [], []
@@ -183,6 +202,15 @@ def scenario_save(actor, args, start):
     return result
 
 
+def scenario_save_unstepped(actor, args, start):
+    actor.save(0)
+    return {}
+
+
+def scenario_train_from1(actor, args, start):
+    return scenario_train(actor, args, 1)
+
+
 def scenario_export(actor, args, start):
     actor.train(_sched(args, 0, actor.world))
     actor.export_hf(args.save_hf)
@@ -197,6 +225,8 @@ SCENARIOS = {
         scenario_logprobs_and_grad,
         scenario_nan,
         scenario_save,
+        scenario_save_unstepped,
+        scenario_train_from1,
         scenario_export,
     )
 }
@@ -224,9 +254,11 @@ def _reference_loss(model, batch: RolloutBatch, indices, args) -> torch.Tensor:
     return loss / total_tokens
 
 
-def test_logprobs_gradient_and_reference_swap(hf_dir, tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3", "llama_tied"])
+def test_logprobs_gradient_and_reference_swap(arch, hf_dir, llama_dir, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
+    hf_dir = hf_dir if arch == "qwen3" else llama_dir
     args = make_args(hf_dir, 2)
     got = run("logprobs_and_grad", args, 2, tmp_path)
     assert got["restored"], "reference swap did not restore the actor bit for bit"
@@ -284,6 +316,19 @@ def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
     assert first["metrics"] == whole["metrics"][:2]
     assert resumed["metrics"] == whole["metrics"][2:]
     for name, weight in whole["weights"].items():
+        assert torch.equal(resumed["weights"][name], weight), name
+
+
+def test_never_stepped_optimizer_round_trips(hf_dir, tmp_path) -> None:
+    """A checkpoint taken before any update resumes as if no save had happened
+    (DCP would otherwise fabricate an AdamW step and shift its bias correction)."""
+    ckpt = str(tmp_path / "ckpt0")
+    run("save_unstepped", make_args(hf_dir, 2, "--save", ckpt), 2, tmp_path)
+    resumed = run("train", make_args(hf_dir, 2, "--load", ckpt), 2, tmp_path)
+    fresh = run("train_from1", make_args(hf_dir, 2), 2, tmp_path)
+    assert resumed["start"] == 1
+    assert resumed["metrics"] == fresh["metrics"]
+    for name, weight in fresh["weights"].items():
         assert torch.equal(resumed["weights"][name], weight), name
 
 

@@ -64,7 +64,7 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def _block_classes(model: torch.nn.Module, names: str | None) -> tuple[type, ...]:
+def find_block_classes(model: torch.nn.Module, names: str | None) -> tuple[type, ...]:
     wanted = set(names.split(",")) if names else set(getattr(model, "_no_split_modules", []) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in wanted}
     if not classes:
@@ -99,7 +99,7 @@ def shard_model(
     }
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    classes = _block_classes(model, block_classes)
+    classes = find_block_classes(model, block_classes)
     blocks = [m for m in model.modules() if isinstance(m, classes)]
     for block in blocks:
         fully_shard(block, **kwargs)

@@ -1,0 +1,51 @@
+"""Placement rules of the fsdp2 backend that need no process group.
+
+Proves that decoder blocks are found from ``_no_split_modules`` or named
+explicitly, that a model with no recognisable block fails instead of silently
+training unsharded, and that the root-group check names a trainable parameter
+left outside every ``fully_shard`` group in a multi-rank run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from vime.backends.fsdp2.model import check_every_parameter_sharded, find_block_classes
+
+
+def _tiny() -> Qwen3ForCausalLM:
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=32,
+        )
+    )
+
+
+def test_blocks_found_from_no_split_modules() -> None:
+    assert [c.__name__ for c in find_block_classes(_tiny(), None)] == ["Qwen3DecoderLayer"]
+
+
+def test_blocks_named_explicitly() -> None:
+    assert [c.__name__ for c in find_block_classes(_tiny(), "Qwen3MLP")] == ["Qwen3MLP"]
+
+
+def test_no_block_class_fails() -> None:
+    with pytest.raises(ValueError, match="--fsdp-block-classes"):
+        find_block_classes(torch.nn.Linear(2, 2), None)
+    with pytest.raises(ValueError, match="NoSuchBlock"):
+        find_block_classes(_tiny(), "NoSuchBlock")
+
+
+def test_parameter_outside_every_group_fails_fast() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match=r"parameter weight is outside every fully_shard"):
+        check_every_parameter_sharded(model, world=2)
+    check_every_parameter_sharded(model, world=1)  # one rank: nothing to reduce
