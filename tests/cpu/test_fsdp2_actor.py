@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny_models import save_tiny, tiny_llama_config, tiny_qwen3_config
 
 from vime.config import parse_args
 from vime.data.batch import RolloutBatch, schedule
@@ -36,41 +37,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return str(path)
+    return save_tiny(tmp_path_factory.mktemp("tiny_qwen3"), tiny_qwen3_config(VOCAB), seed=0)
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> str:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     path = tmp_path_factory.mktemp("tiny_llama")
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return str(path)
+    return save_tiny(path, tiny_llama_config(VOCAB, tie=True), seed=1)
 
 
 def make_batch(rollout_id: int, n: int = 8, nan: bool = False) -> RolloutBatch:

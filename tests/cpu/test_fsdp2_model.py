@@ -10,23 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from tiny_models import tiny_qwen3_config
+from transformers import Qwen3ForCausalLM
 
 from vime.backends.fsdp2.model import check_every_parameter_sharded, find_block_classes
 
 
 def _tiny() -> Qwen3ForCausalLM:
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=32,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=1,
-            num_key_value_heads=1,
-            head_dim=32,
-        )
-    )
+    return Qwen3ForCausalLM(tiny_qwen3_config())
 
 
 def test_blocks_found_from_no_split_modules() -> None:

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from tiny_models import tiny_qwen3_config
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
 from vime.weights import hf_export
 from vime.weights.buckets import entries_from_state_dict, iter_buckets
@@ -36,16 +37,7 @@ TOKENS = torch.tensor([[1, 5, 9, 17, 33, 64, 100, 127], [0, 2, 4, 8, 16, 32, 64,
 
 def _tiny(tie: bool, seed: int = 0) -> Qwen3ForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=tie,
-    )
+    config = tiny_qwen3_config(128, tie=tie)
     return Qwen3ForCausalLM(config).eval()
 
 

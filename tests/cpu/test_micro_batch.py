@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from tiny_models import tiny_qwen3_config
+from transformers import Qwen3ForCausalLM
 
 from vime.data.micro_batch import pack_micro_batch, response_log_probs
 
@@ -110,10 +111,7 @@ def test_rejects_mismatched_logits():
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-    )  # fmt: skip
+    config = tiny_qwen3_config(64)
     return Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").float().eval()
 
 

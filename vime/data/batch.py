@@ -58,11 +58,16 @@ class RolloutBatch:
         """``[B, width]`` engine log-probs of samples ``indices`` (zero-padded), or None."""
         if self.rollout_log_probs is None:
             return None
-        out = torch.zeros(len(indices), width, dtype=torch.float32)
-        for row, i in enumerate(indices):
-            values = self.rollout_log_probs[i]
-            out[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
-        return out
+        return pad_rows([self.rollout_log_probs[i] for i in indices], width)
+
+
+def pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int) -> torch.Tensor:
+    """Per-sample 1-D values as a float32 ``[len(rows), width]`` tensor, right zero-padded."""
+    out = torch.zeros(len(rows), width, dtype=torch.float32)
+    for row, values in enumerate(rows):
+        values = torch.as_tensor(values, dtype=torch.float32)
+        out[row, : values.shape[0]] = values
+    return out
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
 from vime.backends.base import TrainActor
 from vime.backends.fsdp2 import model as fsdp_model
 from vime.backends.optim import LRSchedule, optimizer_step, param_groups
-from vime.data.batch import TrainSchedule
+from vime.data.batch import TrainSchedule, pad_rows
 from vime.data.micro_batch import response_log_probs
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 from vime.weights.hf_export import save_hf_folder
@@ -322,10 +322,5 @@ def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
 def _gather(
     values: PerSample | None, indices: tuple[int, ...], width: int, device: torch.device
 ) -> torch.Tensor | None:
-    """``[B, width]`` of per-sample 1-D tensors, zero-padded; None passes through."""
-    if values is None:
-        return None
-    out = torch.zeros(len(indices), width, dtype=torch.float32)
-    for row, i in enumerate(indices):
-        out[row, : values[i].shape[0]] = values[i]
-    return out.to(device)
+    """``[B, width]`` of this rank's per-sample log-probs, zero-padded; None passes through."""
+    return None if values is None else pad_rows([values[i] for i in indices], width).to(device)

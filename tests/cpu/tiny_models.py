@@ -1,0 +1,35 @@
+"""Tiny random model configs shared by the CPU tests (no hub: everything built from a config).
+
+Same shape everywhere: 2 layers, hidden 64, 2 query heads over 1 KV head of
+head_dim 32 (vLLM's CPU attention needs head_dim >= 32).
+"""
+
+from __future__ import annotations
+
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
+
+
+def tiny_qwen3_config(vocab_size: int = 64, *, tie: bool = False) -> Qwen3Config:
+    return Qwen3Config(vocab_size=vocab_size, head_dim=32, tie_word_embeddings=tie, **SHAPE)
+
+
+def tiny_llama_config(vocab_size: int = 64, *, tie: bool = False) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=tie, **SHAPE)
+
+
+def save_tiny(path: str, config: PretrainedConfig, seed: int) -> str:
+    """Write a randomly initialised model of ``config`` as an HF folder at ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
