@@ -25,6 +25,7 @@ AGGREGATION_MODES = (
 POLICY_LOSS_LEVELS = ("token", "sequence")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RM_TYPES = ("math", "exact", "builtin")
+WEIGHT_SYNC_TRANSPORTS = ("auto", "object-store", "broadcast", "cuda-ipc", "disk")
 
 
 def positive_int(text: str) -> int:
@@ -126,6 +127,49 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
         help="user reward function, sync or async",
     )
     p.add_argument(
+        "--group-rm",
+        action="store_true",
+        help="call --custom-rm-path once per group with all its samples",
+    )
+    p.add_argument(
+        "--rm-url", default=None, metavar="URL", help="remote reward: POST one JSON per sample"
+    )
+    p.add_argument(
+        "--rm-timeout", type=float, default=30.0, help="seconds per reward call before it fails"
+    )
+    p.add_argument(
+        "--rm-max-retries",
+        type=non_negative_int,
+        default=3,
+        help="retries of a failed remote reward call (with backoff)",
+    )
+    p.add_argument(
+        "--rollout-stop-token-ids",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="ID",
+        help="token ids that end a completion, besides the tokenizer's EOS",
+    )
+    p.add_argument(
+        "--dynamic-sampling-filter",
+        action="store_true",
+        help="drop groups whose rewards all agree; sample more prompts until the batch is full",
+    )
+    p.add_argument(
+        "--dynamic-sampling-max-rounds",
+        type=positive_int,
+        default=8,
+        help="generation rounds per rollout before training on the groups kept so far",
+    )
+    p.add_argument(
+        "--weight-sync",
+        choices=WEIGHT_SYNC_TRANSPORTS,
+        default="auto",
+        help="how new weights reach the engines (auto: cuda-ipc when colocated on GPU, "
+        "broadcast on GPU, object-store on CPU)",
+    )
+    p.add_argument(
         "--update-weight-buffer-size",
         type=positive_int,
         default=512 * 1024**2,
@@ -153,6 +197,24 @@ def _data(p: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="FILE",
         help="held-out prompts scored without training",
+    )
+    p.add_argument(
+        "--eval-interval",
+        type=positive_int,
+        default=None,
+        help="score --eval-prompt-data every K rollouts (and at the end)",
+    )
+    p.add_argument(
+        "--eval-n-samples-per-prompt",
+        type=positive_int,
+        default=1,
+        help="completions per eval prompt (pass@1 is their mean correctness)",
+    )
+    p.add_argument(
+        "--eval-temperature",
+        type=float,
+        default=0.0,
+        help="eval sampling temperature; 0 is greedy",
     )
     p.add_argument("--input-key", default="prompt", help="prompt field of a data row")
     p.add_argument("--label-key", default="label", help="label field of a data row")
@@ -329,12 +391,30 @@ def _logging(p: argparse._ArgumentGroup) -> None:
     )
     p.add_argument("--use-tensorboard", action="store_true", help="write TensorBoard events")
     p.add_argument("--use-wandb", action="store_true", help="log to Weights & Biases")
+    p.add_argument("--wandb-project", default="vime", help="W&B project name")
+
+
+def _model(p: argparse._ArgumentGroup) -> None:
+    # Megatron-style architecture flags, as scripts/models/*.sh spell them. Both backends
+    # read the architecture from the checkpoint's config.json; these are checked against it.
+    p.add_argument("--num-layers", type=positive_int, default=None)
+    p.add_argument("--hidden-size", type=positive_int, default=None)
+    p.add_argument("--ffn-hidden-size", type=positive_int, default=None)
+    p.add_argument("--num-attention-heads", type=positive_int, default=None)
+    p.add_argument("--num-query-groups", type=positive_int, default=None)
+    p.add_argument("--kv-channels", type=positive_int, default=None, help="head dimension")
+    p.add_argument("--vocab-size", type=positive_int, default=None)
+    p.add_argument("--rotary-base", type=float, default=None)
+    p.add_argument("--norm-epsilon", type=float, default=None)
+    p.add_argument("--qk-layernorm", action="store_true", default=None)
+    p.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
 
 
 GROUPS = (
     ("cluster", "placement of training ranks and rollout engines", _cluster),
     ("rollout", "generation and reward", _rollout),
     ("data", "model, prompts and their fields", _data),
+    ("model", "architecture flags (MODEL_ARGS), checked against --hf-checkpoint", _model),
     ("algorithm", "advantages, policy loss, KL, batching", _algorithm),
     ("optimizer", "AdamW and the learning-rate schedule", _optimizer),
     ("checkpoint", "save, resume and export", _checkpoint),

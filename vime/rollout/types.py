@@ -1,0 +1,65 @@
+"""What flows between the rollout manager and an engine.
+
+Where it fits: ``RolloutManager`` sends token-id prompts and one
+``SamplingParams``; every engine (``hf_engine``, ``vllm_engine``) answers with
+``Completion`` objects carrying the sampled tokens and their log-probs at the
+sampling temperature, which training compares against its own forward. The
+``RolloutEngine`` protocol is the whole contract an engine must meet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings; ``seed`` makes the draw reproducible.
+
+    ``n`` completions per prompt; ``top_k=-1`` and ``top_p=1.0`` disable those
+    filters; ``temperature=0`` means greedy. ``stop_token_ids`` end a
+    completion (the stop token is kept in the response, as EOS is).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response to one prompt."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    log_probs: list[float]  # one per response token, at the sampling temperature
+    finish_reason: str = "length"  # "stop" (EOS / stop token) or "length"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """The contract the rollout manager relies on."""
+
+    weight_version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """``params.n`` completions for each prompt, in prompt order."""
+        ...
+
+    def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
+        """Log-probs of ``token_ids[prompt_len:]`` given what precedes each token."""
+        ...
+
+    def update_weights(self, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
+        """Load HF-named tensors (a full set, bucket by bucket) and serve ``version``."""
+        ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
