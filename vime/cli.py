@@ -1,7 +1,8 @@
 """``vime-train``: parse -> build -> run, nothing else.
 
 Bad configuration ends here as one ``vime-train: error: ...`` line on stderr and
-exit status 2, never a traceback.
+exit status 2, never a traceback; a training rank or engine that fails ends the
+run with its error on one line and exit status 1.
 """
 
 from __future__ import annotations
@@ -39,9 +40,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"vime-train: error: {err}", file=sys.stderr)
         return 2
-    print(f"vime-train: configuration is valid: {_describe(config)}")
-    # The rollout/train loop (vime.trainer) is not written yet; say so instead of pretending.
-    print("vime-train: the training loop is not implemented yet; stopping after validation.")
+    print(f"vime-train: configuration is valid: {_describe(config)}", flush=True)
+    if config.dry_run:
+        return 0
+    from vime.ray.placement import ActorFailure
+    from vime.trainer import run
+
+    try:
+        summary = run(config)
+    except (ConfigError, ActorFailure) as err:
+        print(f"vime-train: error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ConfigError) else 1
+    except KeyboardInterrupt:
+        print("vime-train: interrupted; the last saved checkpoint is intact", file=sys.stderr)
+        return 130
+    print(f"vime-train: done; outputs in {summary['output_dir']}")
     return 0
 
 

@@ -90,7 +90,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
             ],
             ["--global-batch-size 1", "data-parallel size 2"],
         ),
-        (["--num-steps-per-rollout", "3"], ["--num-steps-per-rollout 3", "256 samples"]),
+        (["--num-steps-per-rollout", "3"], ["--num-steps-per-rollout 3", "512 samples"]),
         (["--rollout-temperature", "0"], ["--rollout-temperature must be > 0"]),
         (["--rollout-temperature", "-1"], ["--rollout-temperature must be > 0"]),
         (["--rollout-top-p", "1.5"], ["--rollout-top-p"]),
@@ -103,7 +103,11 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
         (["--hf-checkpoint", "/no/such/model"], ["--hf-checkpoint /no/such/model", "directory"]),
         (["--prompt-data", "/no/such.jsonl"], ["--prompt-data /no/such.jsonl: no such file"]),
         (["--load", "/no/such/ckpt"], ["--load /no/such/ckpt: no such directory"]),
-        (["--use-dynamic-batch-size"], ["needs --max-tokens-per-gpu"]),
+        (
+            ["--hf-checkpoint", ".", "--prompt-data", "builtin:add", "--use-dynamic-batch-size"],
+            ["needs --max-tokens-per-gpu"],
+        ),
+        (["--hf-checkpoint", "."], ["--prompt-data is required with --hf-checkpoint"]),
         (["--save-interval", "5"], ["--save-interval needs --save"]),
         (["--lr", "abc"], ["--lr", "invalid float value"]),
         (["--rollout-batch-size", "0"], ["positive integer"]),
@@ -121,12 +125,12 @@ def test_bad_input_is_one_line_error(argv: list[str], fragments: list[str]) -> N
 
 
 def test_defaults_validate_and_say_what_runs() -> None:
-    result = run_cli()
+    result = run_cli("--dry-run")
     assert result.returncode == 0, result.stderr
     assert "configuration is valid" in result.stdout
     assert "backend fsdp2" in result.stdout
-    # Honest until the loop exists: it must say it stopped after validation.
-    assert "not implemented yet" in result.stdout
+    # The embedded default's settings apply when no --hf-checkpoint is given.
+    assert "64 prompts x 8 samples" in result.stdout
 
 
 def test_help_groups_common_flags_and_lists_backends() -> None:
@@ -185,7 +189,7 @@ def test_custom_hooks_are_checked_at_start_up(tmp_path) -> None:
         "def bad(x):\n"
         "    return x\n"
     )
-    ok = run_cli("--custom-advantage-function-path", "myhooks:adv", cwd=str(tmp_path))
+    ok = run_cli("--dry-run", "--custom-advantage-function-path", "myhooks:adv", cwd=str(tmp_path))
     assert ok.returncode == 0, ok.stderr
     assert_one_line_error(
         run_cli("--custom-advantage-function-path", "myhooks:bad", cwd=str(tmp_path)),

@@ -410,6 +410,25 @@ def _model(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
 
 
+# What ``vime-train`` with no --hf-checkpoint runs: a tiny Qwen3-shaped model built in code
+# with a character tokenizer, learning string reversal on the CPU (see README). Measured
+# settings: larger learning rates collapse onto a constant answer within seconds.
+EMBEDDED_DEFAULTS = {
+    "prompt_data": "builtin:reverse",
+    "eval_prompt_data": "builtin:reverse:eval",
+    "eval_interval": 20,
+    "rollout_batch_size": 64,
+    "n_samples_per_prompt": 8,
+    "rollout_max_prompt_len": 64,
+    "rollout_max_response_len": 8,
+    "num_rollout": 150,
+    "num_epoch": 1000,
+    "lr": 3e-4,
+    "use_dynamic_batch_size": True,
+    "max_tokens_per_gpu": 8192,
+}
+
+
 GROUPS = (
     ("cluster", "placement of training ranks and rollout engines", _cluster),
     ("rollout", "generation and reward", _rollout),

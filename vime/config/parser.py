@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from vime.backends import registry
 from vime.config.errors import ConfigError
-from vime.config.flags import add_common_flags
+from vime.config.flags import EMBEDDED_DEFAULTS, add_common_flags
 from vime.config.validate import validate
 
 PROG = "vime-train"
@@ -35,6 +35,14 @@ class Config(argparse.Namespace):
         if getattr(self, "_frozen", False):
             raise AttributeError(f"Config is read-only; cannot set {name!r}")
         super().__setattr__(name, value)
+
+    def replace(self, **changes: object) -> Config:
+        """A frozen copy with ``changes`` (settings resolved at start-up, e.g. run length)."""
+        unknown = sorted(set(changes) - set(vars(self)))
+        if unknown:
+            raise AttributeError(f"Config has no setting(s) {unknown}")
+        values = {k: v for k, v in vars(self).items() if k != "_frozen"}
+        return Config(**{**values, **changes}).freeze()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,6 +77,11 @@ def build_parser(backend: str | None) -> argparse.ArgumentParser:
         default=registry.DEFAULT_BACKEND,
         help=f"training backend (default {registry.DEFAULT_BACKEND})",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the flags, print what would run, and stop",
+    )
     add_common_flags(parser)
     if backend is not None:
         registry.flag_adder(backend)(parser)
@@ -86,6 +99,10 @@ def _pre_parse_backend(argv: Sequence[str]) -> str | None:
         except registry.UnknownBackendError as err:
             raise ConfigError(str(err)) from None
     return known.train_backend
+
+
+def _names_checkpoint(argv: Sequence[str]) -> bool:
+    return any(tok == "--hf-checkpoint" or tok.startswith("--hf-checkpoint=") for tok in argv)
 
 
 def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
@@ -132,6 +149,10 @@ def parse_args(argv: Sequence[str]) -> Config:
     wants_help = any(tok in ("-h", "--help") for tok in argv)
     # Plain --help shows the common flags only; naming a backend adds its flags.
     parser = build_parser(named if wants_help else backend)
+    if not _names_checkpoint(argv):
+        # No model given: the embedded default (tiny model, built-in task) with settings
+        # that make it learn on a laptop; every one of them can still be overridden.
+        parser.set_defaults(**EMBEDDED_DEFAULTS)
     namespace, unknown = parser.parse_known_args(argv, namespace=Config())
     if unknown:
         raise ConfigError(_explain_unknown(unknown, backend, parser))

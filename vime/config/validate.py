@@ -14,6 +14,7 @@ import os
 
 from vime.backends import registry
 from vime.config.errors import ConfigError
+from vime.config.model_args import check_model_args_against_checkpoint
 
 BUILTIN_DATA_PREFIX = "builtin:"
 
@@ -22,10 +23,12 @@ def validate(args: argparse.Namespace) -> None:
     """Check ``args`` in place and fill in derived settings; raise ``ConfigError``."""
     args.data_parallel_size = registry.validator(args.train_backend)(args)
     _check_paths(args)
+    check_model_args_against_checkpoint(args)
     _check_batches(args)
     _check_sampling(args)
     _check_algorithm(args)
     _check_custom_functions(args)
+    _check_rewards(args)
     _check_optimizer(args)
     _check_checkpointing(args)
 
@@ -43,6 +46,11 @@ def _check_paths(args: argparse.Namespace) -> None:
         is_file_path = path is not None and not path.startswith(BUILTIN_DATA_PREFIX)
         if is_file_path and not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: no such file (or use builtin:<task>)")
+    if args.hf_checkpoint is not None and args.prompt_data is None:
+        raise ConfigError(
+            "--prompt-data is required with --hf-checkpoint (a .jsonl or .parquet file, "
+            "or builtin:<task>)"
+        )
     # --load may name the --save folder before its first checkpoint exists (auto-resume).
     if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
         raise ConfigError(f"--load {args.load}: no such directory")
@@ -135,6 +143,13 @@ def _check_custom_functions(args: argparse.Namespace) -> None:
             vime.algo.load_function(spec, expected=getattr(vime.algo, builtin))
         except ValueError as err:
             raise ConfigError(f"{flag} {spec}: {err}") from None
+
+
+def _check_rewards(args: argparse.Namespace) -> None:
+    """Pick the reward now (and import --custom-rm-path), so a broken one fails at start-up."""
+    from vime.rollout.rewards import check_reward_args  # deferred: no config<->rollout cycle
+
+    check_reward_args(args)
 
 
 def _check_optimizer(args: argparse.Namespace) -> None:

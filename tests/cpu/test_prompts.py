@@ -1,0 +1,215 @@
+"""Prompt datasets: loading, error messages, rendering and a resumable training order.
+
+Proves that jsonl and parquet rows load with their label and metadata (both
+optional), that each kind of bad data fails with one message naming the file,
+the line and the fix, that ``builtin:`` specs give a task's train or eval split,
+that ``render_prompt`` yields the text's own tokens (chat template: wrapped in
+it), that ``PromptSource`` is deterministic, reshuffles every epoch, covers each
+epoch exactly once, and that a source restored from ``state_dict`` continues
+exactly like the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vime.config.errors import ConfigError
+from vime.data.prompts import (
+    Prompt,
+    PromptSource,
+    builtin_task_of,
+    filter_prompt_lengths,
+    load_prompts,
+    render_prompt,
+)
+from vime.data.tasks import CHARSET, TASKS
+
+
+def _write_jsonl(path: Path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_jsonl_rows_with_optional_label_and_metadata(tmp_path: Path) -> None:
+    spec = _write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"q": "1+1=", "a": "2", "meta": {"src": "x"}}),
+            "",  # blank lines are skipped, not counted as prompts
+            json.dumps({"q": "2+2="}),
+        ],
+    )
+    prompts = load_prompts(spec, input_key="q", label_key="a", metadata_key="meta")
+    assert prompts == [
+        Prompt(text="1+1=", label="2", metadata={"src": "x"}, index=0),
+        Prompt(text="2+2=", label=None, metadata={}, index=1),
+    ]
+
+
+def test_parquet_rows(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "p.parquet"
+    table = pa.table({"prompt": ["ab=", "cd="], "label": ["ba", "dc"], "other": [1, 2]})
+    pq.write_table(table, path)
+    prompts = load_prompts(str(path))
+    assert [(p.text, p.label, p.metadata, p.index) for p in prompts] == [
+        ("ab=", "ba", {}, 0),
+        ("cd=", "dc", {}, 1),
+    ]
+    with pytest.raises(ConfigError, match=r"p\.parquet: row 1: no key 'question'; keys present"):
+        load_prompts(str(path), input_key="question")
+
+
+@pytest.mark.parametrize(
+    ("lines", "pattern"),
+    [
+        (['{"prompt": "a"}', "{oops"], r"p\.jsonl:2: not valid JSON: "),
+        (['["a", "b"]'], r"p\.jsonl:1: expected an object with a 'prompt' key, got a list"),
+        (
+            ['{"prompt": "a"}', '{"text": "b", "label": 1}'],
+            r"p\.jsonl:2: no key 'prompt'; keys present: text, label \(choose one with --input-key",
+        ),
+        (['{"prompt": 5}'], r"p\.jsonl:1: 'prompt' must be a string, got a number"),
+        (['{"prompt": "a", "metadata": [1]}'], r"p\.jsonl:1: 'metadata' must be an object"),
+        (["", "  "], r"p\.jsonl' holds no prompts"),
+    ],
+)
+def test_bad_jsonl_rows_name_file_and_line(tmp_path: Path, lines: list[str], pattern: str) -> None:
+    spec = _write_jsonl(tmp_path / "p.jsonl", lines)
+    with pytest.raises(ConfigError, match=pattern):
+        load_prompts(spec)
+
+
+def test_missing_file_and_unknown_type(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"prompt data file not found: .*nothere\.jsonl"):
+        load_prompts(str(tmp_path / "nothere.jsonl"))
+    csv = tmp_path / "p.csv"
+    csv.write_text("prompt\na\n")
+    with pytest.raises(ConfigError, match=r"unsupported file type; use \.jsonl, \.parquet"):
+        load_prompts(str(csv))
+
+
+def test_builtin_specs() -> None:
+    train = load_prompts("builtin:reverse", seed=3)
+    held_out = load_prompts("builtin:reverse:eval", seed=3)
+    assert [p.text for p in train] == [
+        r["prompt"] for r in TASKS["reverse"].make_examples("train", 3)
+    ]
+    assert len(held_out) == 100
+    assert not {p.text for p in train} & {p.text for p in held_out}
+    assert all(p.metadata == {"task": "reverse"} for p in train)
+    assert [p.index for p in held_out] == list(range(100))
+    assert load_prompts("builtin:add:train", seed=3)[0].label is not None
+    assert builtin_task_of("builtin:add:eval") == "add"
+    assert builtin_task_of("builtin:reverse") == "reverse"
+    assert builtin_task_of("data/x.jsonl") is None
+    with pytest.raises(ConfigError, match="known tasks: add, largest_digit, reverse"):
+        load_prompts("builtin:nope")
+    with pytest.raises(ConfigError, match="no split 'test'"):
+        load_prompts("builtin:add:test")
+
+
+def _prompts(n: int) -> list[Prompt]:
+    return [Prompt(text=f"p{i}", label=None, metadata={}, index=i) for i in range(n)]
+
+
+def _drain(source: PromptSource, n: int) -> list[list[int]]:
+    batches = []
+    while not source.exhausted:
+        batches.append([p.index for p in source.next_batch(n)])
+    return batches
+
+
+def test_source_is_deterministic_and_reshuffles_each_epoch() -> None:
+    source = PromptSource(_prompts(10), num_epoch=3, seed=5)
+    flat = [i for batch in _drain(source, 10) for i in batch]
+    epochs = [flat[0:10], flat[10:20], flat[20:30]]
+    assert all(sorted(e) == list(range(10)) for e in epochs)  # each prompt once per epoch
+    assert len({tuple(e) for e in epochs}) == 3  # a new order every epoch
+    again = PromptSource(_prompts(10), num_epoch=3, seed=5)
+    assert [i for b in _drain(again, 10) for i in b] == flat
+    other = PromptSource(_prompts(10), num_epoch=3, seed=6)
+    assert [i for b in _drain(other, 10) for i in b] != flat
+    unshuffled = PromptSource(_prompts(4), num_epoch=1, shuffle=False)
+    assert [p.index for p in unshuffled.next_batch(4)] == [0, 1, 2, 3]
+
+
+def test_order_does_not_depend_on_batch_size() -> None:
+    flat_3 = [i for b in _drain(PromptSource(_prompts(10), num_epoch=2, seed=1), 3) for i in b]
+    flat_7 = [i for b in _drain(PromptSource(_prompts(10), num_epoch=2, seed=1), 7) for i in b]
+    assert flat_3 == flat_7 and len(flat_3) == 20
+
+
+def test_batches_span_epochs_and_the_end_is_short() -> None:
+    source = PromptSource(_prompts(5), num_epoch=2, seed=0)
+    assert source.batches_per_epoch(2) == 2
+    assert source.total_batches(2) == 5
+    assert source.total_batches(3) == 3
+    sizes = [len(b) for b in _drain(source, 3)]
+    assert sizes == [3, 3, 3, 1]  # the second batch straddles the epoch boundary
+    assert source.exhausted
+    with pytest.raises(StopIteration):
+        source.next_batch(1)
+
+
+def test_resume_from_state_dict_continues_identically() -> None:
+    reference = _drain(PromptSource(_prompts(7), num_epoch=3, seed=9), 3)
+    interrupted = PromptSource(_prompts(7), num_epoch=3, seed=9)
+    first = [[p.index for p in interrupted.next_batch(3)] for _ in range(3)]  # mid epoch 2
+    state = json.loads(json.dumps(interrupted.state_dict()))  # survives a JSON checkpoint
+    assert state["epoch"] == 1 and state["position"] == 2
+    resumed = PromptSource(_prompts(7), num_epoch=3, seed=9)
+    resumed.load_state_dict(state)
+    assert first + _drain(resumed, 3) == reference
+
+
+def test_resume_with_other_data_or_seed_is_refused() -> None:
+    state = PromptSource(_prompts(7), seed=9).state_dict()
+    with pytest.raises(ConfigError, match="taken with 7 prompts but the data has 8"):
+        PromptSource(_prompts(8), seed=9).load_state_dict(state)
+    with pytest.raises(ConfigError, match="--seed 9, this run has 1"):
+        PromptSource(_prompts(7), seed=1).load_state_dict(state)
+
+
+def test_filter_prompt_lengths() -> None:
+    prompts = _prompts(4)
+    ids = [[1], [1, 2, 3], [1, 2], [1, 2, 3, 4]]
+    kept, kept_ids, dropped = filter_prompt_lengths(prompts, ids, 2)
+    assert [p.index for p in kept] == [0, 2] and kept_ids == [[1], [1, 2]] and dropped == 2
+    assert filter_prompt_lengths(prompts, ids, None) == (prompts, ids, 0)
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    """A character tokenizer over CHARSET with two chat-role special tokens."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<user>": 1, "<bot>": 2}
+    vocab |= {c: i + 3 for i, c in enumerate(CHARSET)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<eos>", additional_special_tokens=["<user>", "<bot>"]
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<bot>{% endif %}"
+    )
+    return tokenizer
+
+
+def test_render_prompt_plain_and_chat(char_tokenizer) -> None:
+    text_ids = [3 + CHARSET.index(c) for c in "ab c="]
+    assert render_prompt("ab c=", char_tokenizer, apply_chat_template=False) == text_ids
+    assert render_prompt("ab c=", char_tokenizer, apply_chat_template=True) == [1, *text_ids, 2]
+    template, char_tokenizer.chat_template = char_tokenizer.chat_template, None
+    try:
+        with pytest.raises(ConfigError, match="no chat template; drop the flag"):
+            render_prompt("ab", char_tokenizer, apply_chat_template=True)
+    finally:
+        char_tokenizer.chat_template = template

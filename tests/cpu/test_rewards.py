@@ -1,0 +1,311 @@
+"""Reward scoring: every source, failures as None, and start-up checks of the reward flags.
+
+Proves that the flags pick the right scorer (math, exact, the built-in task's
+reward, a custom sync / async / per-group function that receives ``args``, a
+remote HTTP service); that a function that raises, times out or returns NaN /
+a string / None yields None for that sample (a whole group for --group-rm)
+and is counted with its message, never raised; that the remote client
+retries 500s until success, does not retry a 400, gives up on a server that
+never answers or a closed port; that ``score_sync`` works inside a running
+event loop; and that bad reward flags (unimportable or wrongly shaped
+function, no reward for file data, conflicting flags) fail in ``parse_args``
+with a one-line ConfigError naming the culprit. The remote service is a real
+local HTTP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from vime.algo.custom import load_function
+from vime.config import ConfigError, parse_args
+from vime.rollout.rewards import RewardInput, build_reward_scorer, exact_reward
+
+HOOKS = textwrap.dedent(
+    """
+    import asyncio
+    import math
+    import threading
+
+    RELEASE = threading.Event()
+
+    def length(args, sample):
+        return float(len(sample.response))
+
+    async def async_length(args, sample):
+        await asyncio.sleep(0)
+        return len(sample.response)
+
+    def uses_args(args, sample):
+        return args.rm_timeout
+
+    def picky(args, sample):
+        if sample.response == "boom":
+            raise ValueError("boom!")
+        return {"nan": math.nan, "str": "1.0", "none": None, "bool": True}.get(
+            sample.response, 2.0
+        )
+
+    async def async_boom(args, sample):
+        raise RuntimeError("async boom")
+
+    def slow(args, sample):
+        if sample.response == "slow":
+            RELEASE.wait(30)
+        return 1.0
+
+    async def slow_async(args, sample):
+        if sample.response == "slow":
+            await asyncio.sleep(30)
+        return 1.0
+
+    def group_offsets(args, samples):
+        return [10.0 * s.group + len(s.response) for s in samples]
+
+    async def group_fails_odd(args, samples):
+        if samples[0].group % 2:
+            raise RuntimeError("odd group")
+        return [1.0, math.inf][: len(samples)]
+
+    def group_too_short(args, samples):
+        return [1.0]
+
+    def one_param(sample):
+        return 1.0
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def hooks(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("hooks") / "reward_hooks.py"
+    path.write_text(HOOKS)
+    return str(path)
+
+
+def _samples(*responses: str, groups: list[int] | None = None) -> list[RewardInput]:
+    groups = groups or [0] * len(responses)
+    return [
+        RewardInput(prompt="p", response=r, label=0, metadata={"w": 0.25}, group=g)
+        for r, g in zip(responses, groups, strict=True)
+    ]
+
+
+def _custom(hooks: str, fn: str, *extra: str):
+    return build_reward_scorer(parse_args(["--custom-rm-path", f"{hooks}:{fn}", *extra]))
+
+
+# ---------------------------------------------------------------- rule-based
+
+
+def test_math_exact_and_task_rewards() -> None:
+    samples = [
+        RewardInput("q", r"so \boxed{1/2}", "0.5", {}, 0),
+        RewardInput("q", "it is 3", "4", {}, 0),
+    ]
+    math_scorer = build_reward_scorer(parse_args(["--rm-type", "math"]))
+    assert math_scorer.score_sync(samples) == [1.0, 0.0]
+    assert exact_reward("  abc\n", "abc") == 1.0 and exact_reward("abd", "abc") == 0.0
+    exact = build_reward_scorer(parse_args(["--rm-type", "exact"]))
+    assert exact.score_sync([RewardInput("q", " 4 ", 4, {}, 0)]) == [1.0]
+    # No --prompt-data means the built-in task: its reward is used when handed over.
+    task = build_reward_scorer(parse_args([]), task_reward=lambda r, label: float(r == label[::-1]))
+    assert task.score_sync([RewardInput("q", "cba", "abc", {}, 0)]) == [1.0]
+    with pytest.raises(ConfigError, match="--rm-type math"):
+        build_reward_scorer(parse_args([]))
+
+
+# ---------------------------------------------------------------- custom
+
+
+def test_custom_sync_and_async_functions(hooks: str) -> None:
+    assert _custom(hooks, "length").score_sync(_samples("ab", "abcd")) == [2.0, 4.0]
+    assert _custom(hooks, "async_length").score_sync(_samples("abc")) == [3.0]
+    assert _custom(hooks, "uses_args", "--rm-timeout", "7").score_sync(_samples("x")) == [7.0]
+
+
+def test_bad_returns_and_raises_are_none_and_counted(hooks: str) -> None:
+    scorer = _custom(hooks, "picky")
+    rewards = scorer.score_sync(_samples("ok", "boom", "nan", "str", "none", "bool"))
+    assert rewards == [2.0, None, None, None, None, 1.0]
+    assert scorer.last_failure_count == 4
+    assert "sample 1: raised ValueError: boom!" in scorer.last_failures[0]
+    assert "non-finite" in scorer.last_failures[1]
+    assert "not a number" in scorer.last_failures[2]
+    assert "4 of 6" in scorer.failure_warning()
+    # The counters describe the latest call only.
+    assert scorer.score_sync(_samples("ok")) == [2.0]
+    assert scorer.last_failure_count == 0 and scorer.failure_warning() is None
+
+    failing = _custom(hooks, "async_boom")
+    assert failing.score_sync(_samples("a", "b")) == [None, None]
+    assert "RuntimeError: async boom" in failing.last_failures[0]
+
+
+@pytest.mark.parametrize("fn", ["slow", "slow_async"])
+def test_slow_function_times_out(hooks: str, fn: str) -> None:
+    scorer = _custom(hooks, fn, "--rm-timeout", "0.2")
+    release = load_function(f"{hooks}:slow").__globals__["RELEASE"]
+    release.clear()
+    try:
+        assert scorer.score_sync(_samples("slow", "fast")) == [None, 1.0]
+        assert scorer.last_failure_count == 1
+        assert "timed out after 0.2 s" in scorer.last_failures[0]
+    finally:
+        release.set()  # let the abandoned thread finish
+        scorer.close()
+
+
+def test_group_functions(hooks: str) -> None:
+    groups = [1, 0, 1, 0]
+    scorer = _custom(hooks, "group_offsets", "--group-rm")
+    assert scorer.score_sync(_samples("a", "bb", "ccc", "d", groups=groups)) == [
+        11.0,
+        2.0,
+        13.0,
+        1.0,
+    ]
+
+    # Group 1 raises: both its samples fail; group 0's second reward is inf.
+    failing = _custom(hooks, "group_fails_odd", "--group-rm")
+    assert failing.score_sync(_samples("a", "b", "c", "d", groups=groups)) == [
+        None,
+        1.0,
+        None,
+        None,
+    ]
+    assert failing.last_failure_count == 3
+    assert any("group 1: raised RuntimeError: odd group" in m for m in failing.last_failures)
+
+    short = _custom(hooks, "group_too_short", "--group-rm")
+    assert short.score_sync(_samples("a", "b")) == [None, None]
+    assert "returned 1 rewards for 2 samples" in short.last_failures[0]
+
+
+def test_score_sync_inside_running_loop(hooks: str) -> None:
+    scorer = _custom(hooks, "length")
+
+    async def caller() -> list[float | None]:
+        return scorer.score_sync(_samples("abc"))
+
+    assert asyncio.run(caller()) == [3.0]
+
+
+# ---------------------------------------------------------------- remote
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        server = self.server
+        with server.lock:
+            server.hits[self.path] = hits = server.hits.get(self.path, 0) + 1
+        if self.path == "/number":
+            self._reply(200, len(body["response"]) + body["label"])
+        elif self.path == "/object":
+            self._reply(200, {"reward": body["metadata"]["w"]})
+        elif self.path == "/flaky":
+            self._reply(500, "busy") if hits <= 2 else self._reply(200, 1.5)
+        elif self.path == "/bad":
+            self._reply(400, "missing field")
+        elif self.path == "/hang":
+            server.release.wait(30)
+            self._reply(200, 1.0)
+
+    def _reply(self, status: int, value: object) -> None:
+        data = json.dumps(value).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd.lock, httpd.hits, httpd.release = threading.Lock(), {}, threading.Event()
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.release.set()
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _remote(url: str, *extra: str):
+    return build_reward_scorer(parse_args(["--rm-url", url, *extra]))
+
+
+def _url(server, path: str) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}{path}"
+
+
+def test_remote_number_and_object_replies(server) -> None:
+    samples = [RewardInput("p", "abc", 2, {"w": 0.25}, 0), RewardInput("p", "a", 10, {}, 0)]
+    assert _remote(_url(server, "/number")).score_sync(samples) == [5.0, 11.0]
+    assert _remote(_url(server, "/object")).score_sync(samples[:1]) == [0.25]
+
+
+def test_remote_retries_5xx_until_success(server) -> None:
+    scorer = _remote(_url(server, "/flaky"), "--rm-max-retries", "3")
+    assert scorer.score_sync(_samples("x")) == [1.5]
+    assert server.hits["/flaky"] == 3
+
+
+def test_remote_4xx_fails_without_retry(server) -> None:
+    scorer = _remote(_url(server, "/bad"), "--rm-max-retries", "3")
+    assert scorer.score_sync(_samples("x")) == [None]
+    assert server.hits["/bad"] == 1
+    assert "HTTP 400" in scorer.last_failures[0] and "missing field" in scorer.last_failures[0]
+
+
+def test_remote_timeout_and_refused_connection(server) -> None:
+    hang = _remote(_url(server, "/hang"), "--rm-timeout", "0.2", "--rm-max-retries", "1")
+    assert hang.score_sync(_samples("x")) == [None]
+    assert server.hits["/hang"] == 2
+    assert "gave up after 2 attempts" in hang.last_failures[0]
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    closed = _remote(f"http://127.0.0.1:{port}/", "--rm-max-retries", "0")
+    assert closed.score_sync(_samples("x")) == [None]
+    assert "gave up after 1 attempt" in closed.last_failures[0]
+
+
+# ---------------------------------------------------------------- start-up checks
+
+
+def test_bad_reward_flags_fail_at_start_up(hooks: str, tmp_path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1", "label": "2"}\n')
+    missing = tmp_path / "nowhere" / "rm.py"
+    cases = [
+        (["--custom-rm-path", "no_such_reward_module:fn"], "no_such_reward_module"),
+        (["--custom-rm-path", f"{missing}:fn"], str(missing)),
+        (["--custom-rm-path", f"{hooks}:nope"], "has no attribute 'nope'"),
+        (["--custom-rm-path", f"{hooks}:one_param"], "cannot be called as fn\\(args, sample"),
+        (["--prompt-data", str(data)], "pass --rm-type math\\|exact"),
+        (["--prompt-data", str(data), "--rm-type", "builtin"], "builtin:<task>"),
+        (["--rm-url", "http://x/", "--custom-rm-path", f"{hooks}:length"], "give only one"),
+        (["--rm-url", "http://x/", "--rm-type", "math"], "give only one"),
+        (["--group-rm", "--rm-type", "math"], "--group-rm needs --custom-rm-path"),
+        (["--rm-url", "ftp://x/"], "expected http"),
+        (["--rm-type", "math", "--rm-timeout", "0"], "--rm-timeout must be"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(ConfigError, match=message) as caught:
+            parse_args(argv)
+        assert "\n" not in str(caught.value)
+    assert parse_args(["--prompt-data", str(data), "--rm-type", "math"]).rm_type == "math"

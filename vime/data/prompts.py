@@ -1,0 +1,294 @@
+"""Prompt datasets: loading rows, turning them into token ids, and the training order.
+
+Where it fits: the rollout side loads ``--prompt-data`` / ``--eval-prompt-data``
+with ``load_prompts`` (a ``.jsonl`` or ``.parquet`` file, or ``builtin:<task>``
+from ``vime.data.tasks``), renders each prompt with ``render_prompt``, drops the
+over-long ones with ``filter_prompt_lengths`` (``--rollout-max-prompt-len``), and
+draws each rollout's prompts from a ``PromptSource``. The source's position is
+part of a checkpoint, so a resumed run sees exactly the prompts the uninterrupted
+run would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vime.config.errors import ConfigError
+from vime.data.tasks import get_task
+
+BUILTIN_PREFIX = "builtin:"
+SUPPORTED = ".jsonl, .parquet or builtin:<task>[:eval]"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt row: its text, its label for the reward (None if absent), free metadata.
+
+    ``index`` is the row's position in its dataset (0-based), stable across epochs.
+    """
+
+    text: str
+    label: Any
+    metadata: dict = field(default_factory=dict)
+    index: int = 0
+
+
+def builtin_task_of(spec: str) -> str | None:
+    """The task name of a ``builtin:<task>[:split]`` spec, None for a file path."""
+    if not spec.startswith(BUILTIN_PREFIX):
+        return None
+    return spec[len(BUILTIN_PREFIX) :].split(":", 1)[0]
+
+
+def load_prompts(
+    spec: str,
+    *,
+    input_key: str = "prompt",
+    label_key: str = "label",
+    metadata_key: str = "metadata",
+    seed: int = 1234,
+) -> list[Prompt]:
+    """Load every prompt of ``spec``; ConfigError with file and line for bad data.
+
+    ``spec`` is a ``.jsonl`` file (one JSON object per line, blank lines skipped),
+    a ``.parquet`` file (one row per prompt), ``builtin:<task>`` (the task's train
+    split) or ``builtin:<task>:eval``. The label and metadata fields are optional;
+    ``seed`` only orders a built-in task's rows.
+    """
+    if spec.startswith(BUILTIN_PREFIX):
+        return _load_builtin(spec, seed)
+    path = Path(spec)
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".parquet"):
+        raise ConfigError(f"prompt data '{spec}': unsupported file type; use {SUPPORTED}")
+    if not path.is_file():
+        raise ConfigError(f"prompt data file not found: {spec}")
+    rows = _jsonl_rows(path) if suffix == ".jsonl" else _parquet_rows(path)
+    prompts = [
+        _to_prompt(row, where, index, input_key, label_key, metadata_key)
+        for index, (where, row) in enumerate(rows)
+    ]
+    if not prompts:
+        raise ConfigError(f"prompt data '{spec}' holds no prompts; give a file with at least one")
+    return prompts
+
+
+def _load_builtin(spec: str, seed: int) -> list[Prompt]:
+    parts = spec[len(BUILTIN_PREFIX) :].split(":")
+    if len(parts) > 2 or not parts[0]:
+        raise ConfigError(f"prompt data '{spec}': write builtin:<task> or builtin:<task>:eval")
+    task = get_task(parts[0])
+    split = parts[1] if len(parts) == 2 else "train"
+    rows = task.make_examples(split, seed)
+    return [
+        Prompt(text=row["prompt"], label=row["label"], metadata={"task": task.name}, index=i)
+        for i, row in enumerate(rows)
+    ]
+
+
+def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
+            yield where, row
+
+
+def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(
+            f"{path}: reading parquet needs pyarrow; `pip install pyarrow` or use .jsonl"
+        ) from None
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise ConfigError(f"{path}: not a readable parquet file: {e}") from None
+    for number, row in enumerate(table.to_pylist(), start=1):
+        yield f"{path}: row {number}", row
+
+
+def _to_prompt(
+    row: Any, where: str, index: int, input_key: str, label_key: str, metadata_key: str
+) -> Prompt:
+    if not isinstance(row, Mapping):
+        raise ConfigError(f"{where}: expected an object with a '{input_key}' key, got {_kind(row)}")
+    if input_key not in row:
+        keys = ", ".join(map(str, row)) or "none"
+        raise ConfigError(
+            f"{where}: no key '{input_key}'; keys present: {keys} (choose one with --input-key)"
+        )
+    text = row[input_key]
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: '{input_key}' must be a string, got {_kind(text)}")
+    metadata = row.get(metadata_key)
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, Mapping):
+        raise ConfigError(f"{where}: '{metadata_key}' must be an object, got {_kind(metadata)}")
+    return Prompt(text=text, label=row.get(label_key), metadata=dict(metadata), index=index)
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "a number"
+    return names.get(type(value), type(value).__name__)
+
+
+def render_prompt(text: str, tokenizer: Any, apply_chat_template: bool) -> list[int]:
+    """Token ids of a prompt, ready for the engine.
+
+    With ``apply_chat_template`` the text is one user message followed by the
+    template's generation prompt (the template adds whatever BOS or role tokens it
+    wants). Without it the ids are the text's tokens and nothing else: no BOS, no
+    EOS, so a raw-text prompt is exactly what the data says.
+    """
+    if apply_chat_template:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigError(
+                "--apply-chat-template: the tokenizer has no chat template; drop the flag"
+            )
+        out = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+    else:
+        out = tokenizer(text, add_special_tokens=False)
+    # transformers 5 returns a BatchEncoding by default; older versions a plain list.
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list):
+        out = out[0]
+    return [int(i) for i in out]
+
+
+def filter_prompt_lengths(
+    prompts: Sequence[Prompt], token_ids: Sequence[list[int]], max_len: int | None
+) -> tuple[list[Prompt], list[list[int]], int]:
+    """Keep the prompts whose token count is at most ``max_len`` (all when None).
+
+    Returns (kept prompts, their ids, how many were dropped), in the input order.
+    """
+    if len(prompts) != len(token_ids):
+        raise ValueError(f"{len(prompts)} prompts but {len(token_ids)} token id lists")
+    kept = [
+        (p, ids)
+        for p, ids in zip(prompts, token_ids, strict=True)
+        if max_len is None or len(ids) <= max_len
+    ]
+    return [p for p, _ in kept], [ids for _, ids in kept], len(prompts) - len(kept)
+
+
+class PromptSource:
+    """Training order over ``num_epoch`` passes of ``prompts``, resumable from a checkpoint.
+
+    Each epoch is a permutation drawn from (seed, epoch) alone, so the order does
+    not depend on batch sizes or on when a run was interrupted. ``next_batch(n)``
+    continues across epoch boundaries; at the very end it returns what is left
+    (fewer than n), and once nothing is left it raises StopIteration.
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        num_epoch: int = 1,
+        seed: int = 1234,
+        shuffle: bool = True,
+    ) -> None:
+        if not prompts:
+            raise ConfigError("no prompts to train on; check --prompt-data")
+        if num_epoch < 1:
+            raise ConfigError(f"--num-epoch must be at least 1, got {num_epoch}")
+        self.prompts = list(prompts)
+        self.num_epoch = num_epoch
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            # A string seed is hashed with SHA-512: the same order in every process.
+            random.Random(f"vime-prompts:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    @property
+    def exhausted(self) -> bool:
+        """True once every epoch has been handed out."""
+        return self.epoch >= self.num_epoch
+
+    def next_batch(self, n: int) -> list[Prompt]:
+        """The next ``n`` prompts (fewer only at the very end); StopIteration when exhausted."""
+        if n < 1:
+            raise ValueError(f"batch size must be positive, got {n}")
+        if self.exhausted:
+            raise StopIteration("the prompt source is exhausted (all --num-epoch passes done)")
+        batch: list[Prompt] = []
+        while len(batch) < n and not self.exhausted:
+            take = min(n - len(batch), len(self.prompts) - self.position)
+            batch += [self.prompts[i] for i in self._order[self.position : self.position + take]]
+            self.position += take
+            if self.position == len(self.prompts):
+                self._start_epoch(self.epoch + 1)
+        return batch
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.position = 0
+        self._order = self._permutation(epoch)
+
+    def batches_per_epoch(self, n: int) -> int:
+        """Whole batches of ``n`` in one pass (batches may straddle epochs, so this is a floor)."""
+        return len(self.prompts) // n
+
+    def total_batches(self, n: int) -> int:
+        """Whole batches of ``n`` in all epochs: the default --num-rollout."""
+        return self.num_epoch * len(self.prompts) // n
+
+    def state_dict(self) -> dict:
+        """Position to store in a checkpoint (plain ints: JSON-safe)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_prompts": len(self.prompts),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``; ConfigError if the data or seed differ from the checkpoint's."""
+        if state["num_prompts"] != len(self.prompts):
+            raise ConfigError(
+                f"the checkpoint was taken with {state['num_prompts']} prompts but the data has "
+                f"{len(self.prompts)}; resume with the same --prompt-data"
+            )
+        if state["seed"] != self.seed:
+            raise ConfigError(
+                f"the checkpoint was taken with --seed {state['seed']}, this run has "
+                f"{self.seed}; resume with the same seed to continue the same prompt order"
+            )
+        position = int(state["position"])
+        if not 0 <= position < len(self.prompts):
+            raise ConfigError(f"checkpoint prompt position {position} is out of range")
+        self._start_epoch(int(state["epoch"]))
+        self.position = position

@@ -1,0 +1,219 @@
+"""Built-in tasks for the embedded default run: prompts, labels and rule-based rewards.
+
+Where it fits: ``builtin:<task>`` prompt specs (``vime.data.prompts``) draw their
+rows from here, the embedded tiny model's character tokenizer is built from
+``CHARSET``, and the rollout side scores completions with ``Task.reward`` (dense,
+for GRPO's advantages) and ``Task.is_correct`` (exact, for accuracy / pass@1).
+
+Each task's universe of examples is split into train and eval once, with a fixed
+seed, so the two never overlap whatever ``--seed`` is; the run's seed only orders
+the rows. A response is everything generated before EOS; only surrounding
+whitespace is ignored.
+
+Reward design (measured: with loose shaping a random model collapses within
+seconds onto a constant answer that games it):
+
+    reward = 0.8 * matching answer positions / answer length
+           + 0.1 * length closeness + 0.1 * share of characters from the answer alphabet
+
+so an exact answer scores 1.0, anything else less, and the shaping terms (0.2 at
+most) are far below what correctness pays. A task whose answers are numbers aligns
+positions from the right, so a right units digit earns credit even when the tens
+digit is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vime.config.errors import ConfigError
+
+# The embedded tokenizer's vocabulary (besides special tokens) is exactly these
+# characters, in this order: changing it changes every token id of the default model.
+CHARSET: str = string.ascii_lowercase + string.digits + " +="
+
+SPLITS = ("train", "eval")
+EVAL_SIZE = 100
+# Fixed, not --seed: the train/eval membership must not move between runs.
+_SPLIT_SEED = 20240611
+
+_POSITION_WEIGHT = 0.8
+_LENGTH_WEIGHT = 0.1
+_ALPHABET_WEIGHT = 0.1
+
+Example = tuple[str, str]  # (prompt, label)
+
+
+@dataclass(frozen=True)
+class Task:
+    """A built-in task: a fixed universe of (prompt, label) pairs and its reward.
+
+    ``build`` returns the (train, eval) pools, each a tuple of (prompt, label); it
+    is called once per task and cached.
+    """
+
+    name: str
+    description: str
+    answer_alphabet: str
+    right_align: bool
+    build: Callable[[], tuple[tuple[Example, ...], tuple[Example, ...]]]
+
+    def make_examples(self, split: str, seed: int) -> list[dict]:
+        """Rows ``{"prompt", "label"}`` of ``split`` ("train" or "eval"), ordered by ``seed``.
+
+        The set of rows of a split never depends on ``seed``; eval has exactly
+        ``EVAL_SIZE`` rows.
+        """
+        if split not in SPLITS:
+            raise ConfigError(f"task '{self.name}' has no split '{split}'; use one of: train, eval")
+        train, held_out = _pools(self)
+        rows = list(train if split == "train" else held_out)
+        random.Random(f"{self.name}:{split}:{seed}").shuffle(rows)
+        return [{"prompt": prompt, "label": label} for prompt, label in rows]
+
+    def is_correct(self, response: str, label: str) -> bool:
+        """Exact skill check: the response, stripped of surrounding whitespace, is the label."""
+        return response.strip() == label
+
+    def reward(self, response: str, label: str) -> float:
+        """Dense reward in [0, 1]; 1.0 exactly when ``is_correct``."""
+        answer = response.strip()
+        if answer == label:
+            return 1.0
+        if not answer or not label:
+            return 0.0
+        if self.right_align:
+            answer_chars, label_chars = answer[::-1], label[::-1]
+        else:
+            answer_chars, label_chars = answer, label
+        matches = sum(a == b for a, b in zip(answer_chars, label_chars, strict=False))
+        length = max(0.0, 1.0 - abs(len(answer) - len(label)) / len(label))
+        in_alphabet = sum(c in self.answer_alphabet for c in answer) / len(answer)
+        score = (
+            _POSITION_WEIGHT * matches / len(label)
+            + _LENGTH_WEIGHT * length
+            + _ALPHABET_WEIGHT * in_alphabet
+        )
+        # A miss with every position right differs in length, so it stays below 1.0.
+        return score
+
+
+@functools.cache
+def _pools(task: Task) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+    train, held_out = task.build()
+    if len(held_out) != EVAL_SIZE:
+        raise AssertionError(f"task '{task.name}' built {len(held_out)} eval rows")
+    overlap = {p for p, _ in train} & {p for p, _ in held_out}
+    if overlap:
+        raise AssertionError(f"task '{task.name}': train and eval share {sorted(overlap)[:3]}")
+    return train, held_out
+
+
+def _split_universe(
+    universe: list[Example], name: str
+) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+    shuffled = sorted(universe)
+    random.Random(f"{_SPLIT_SEED}:{name}").shuffle(shuffled)
+    return tuple(shuffled[EVAL_SIZE:]), tuple(shuffled[:EVAL_SIZE])
+
+
+# --- reverse: the default (alphabet of 4, length 3-4; 320 strings) -----------
+
+_REVERSE_ALPHABET = "abcd"
+
+
+def _build_reverse() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+    universe = [
+        ("".join(chars) + "=", "".join(reversed(chars)))
+        for length in (3, 4)
+        for chars in itertools.product(_REVERSE_ALPHABET, repeat=length)
+    ]
+    return _split_universe(universe, "reverse")
+
+
+# --- add: two or three single-digit operands (1,100 sums) ---------------------
+# Two operands alone give only 100 problems, all of which the eval set would need.
+
+
+def _build_add() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+    universe = [
+        ("+".join(map(str, operands)) + "=", str(sum(operands)))
+        for count in (2, 3)
+        for operands in itertools.product(range(10), repeat=count)
+    ]
+    return _split_universe(universe, "add")
+
+
+# --- largest_digit: digit strings of length 3-5, answers balanced over 1-9 ------
+# Uniform digit strings have 9 as their largest digit a third of the time or more,
+# which a constant "9" would exploit; so examples are drawn answer by answer.
+
+_LARGEST_ANSWERS = range(1, 10)
+_LARGEST_TRAIN_SIZE = 2700
+
+
+def _build_largest_digit() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+    rng = random.Random(f"{_SPLIT_SEED}:largest_digit")
+    by_answer: dict[str, list[str]] = {str(a): [] for a in _LARGEST_ANSWERS}
+    for length in (3, 4, 5):
+        for digits in itertools.product(string.digits, repeat=length):
+            answer = max(digits)
+            if answer in by_answer:
+                by_answer[answer].append("".join(digits))
+    train: list[Example] = []
+    held_out: list[Example] = []
+    per_train = _LARGEST_TRAIN_SIZE // len(by_answer)
+    for index, (answer, strings) in enumerate(sorted(by_answer.items())):
+        rng.shuffle(strings)
+        # 100 eval rows over 9 answers: the first answer takes the one left over.
+        n_eval = EVAL_SIZE // len(by_answer) + (index < EVAL_SIZE % len(by_answer))
+        held_out += [(f"max {s}=", answer) for s in strings[:n_eval]]
+        # Answers 1 and 2 have few strings (53, 295): their train rows repeat.
+        rest = strings[n_eval:]
+        picks = [rest[i % len(rest)] for i in range(per_train)]
+        train += [(f"max {s}=", answer) for s in picks]
+    return tuple(train), tuple(held_out)
+
+
+TASKS: dict[str, Task] = {
+    task.name: task
+    for task in (
+        Task(
+            name="reverse",
+            description="reverse a string of 3-4 letters from 'abcd': 'abcd=' -> 'dcba'",
+            answer_alphabet=_REVERSE_ALPHABET,
+            right_align=False,
+            build=_build_reverse,
+        ),
+        Task(
+            name="add",
+            description="add two or three single digits: '3+5+9=' -> '17'",
+            answer_alphabet=string.digits,
+            right_align=True,
+            build=_build_add,
+        ),
+        Task(
+            name="largest_digit",
+            description="largest digit of 3-5 digits: 'max 3941=' -> '9'",
+            answer_alphabet=string.digits,
+            right_align=False,
+            build=_build_largest_digit,
+        ),
+    )
+}
+
+DEFAULT_TASK = "reverse"
+
+
+def get_task(name: str) -> Task:
+    """The built-in task called ``name``; ConfigError naming the known tasks otherwise."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        known = ", ".join(sorted(TASKS))
+        raise ConfigError(f"unknown built-in task '{name}'; known tasks: {known}") from None

@@ -1,0 +1,160 @@
+"""Rollout engines as Ray actors, and the group the rollout manager talks to.
+
+Where it fits: ``vime.trainer`` builds one ``EngineGroup`` on the placement's
+rollout bundles; ``vime.rollout.manager`` asks it for completions; the train
+group pushes new weights into it (``vime.weights.transports``). Each actor owns
+one engine (``HFEngine`` or ``VLLMEngine``, both meeting
+``vime.rollout.types.RolloutEngine``) and never sees the training processes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import ray
+
+from vime.ray.placement import Placement, wait_all
+from vime.rollout.types import Completion, SamplingParams
+
+
+def resolve_engine(name: str) -> tuple[str, str]:
+    """``(engine, reason)``: ``auto`` picks vllm when importable, else hf."""
+    if name != "auto":
+        return name, f"--rollout-engine {name}"
+    if importlib.util.find_spec("vllm") is not None:
+        return "vllm", "auto: vllm is importable"
+    return "hf", "auto: vllm is not installed"
+
+
+class EngineActor:
+    """One rollout engine in its own process (wrapped by ``ray.remote`` below)."""
+
+    def __init__(self, kind: str, checkpoint: str, options: dict[str, Any]) -> None:
+        threads = options.get("num_threads")
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        if kind == "vllm":
+            from vime.rollout.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(
+                checkpoint,
+                tensor_parallel_size=options.get("tensor_parallel_size", 1),
+                seed=options.get("seed", 0),
+            )
+        elif kind == "hf":
+            import torch
+
+            from vime.rollout.hf_engine import HFEngine
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.engine = HFEngine(checkpoint, device=device)
+        else:
+            raise ValueError(f"unknown rollout engine {kind!r}; choose vllm or hf")
+        self.engine.weight_version = 0
+        self._group = None
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        return self.engine.generate(prompts, params)
+
+    def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
+        return self.engine.score(token_ids, prompt_len, temperature)
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    # --- weight transports (see vime.weights.transports) ---
+
+    def update_from_object_store(self, refs: list[Any], version: int) -> int:
+        self.engine.update_weights((ray.get(ref) for ref in refs), version)
+        return self.engine.weight_version
+
+    def update_from_disk(self, folder: str, version: int) -> int:
+        from vime.weights.transports import buckets_from_disk
+
+        self.engine.update_weights(buckets_from_disk(folder), version)
+        return self.engine.weight_version
+
+    def join_broadcast(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
+        from vime.weights.transports import BroadcastGroup
+
+        self._group = BroadcastGroup(host, port, rank, world, backend=backend)
+
+    def receive_bucket(self, metadata: list[Any]) -> None:
+        bucket = self._group.receive(metadata)
+        # Partial loads keep the served version until finish_update names the new one.
+        self.engine.update_weights([bucket], self.engine.weight_version)
+
+    def finish_update(self, version: int) -> int:
+        self.engine.weight_version = version
+        return version
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+
+class EngineGroup:
+    """Every rollout engine of the run; prompts are split evenly across them."""
+
+    def __init__(
+        self, kind: str, checkpoint: str, placement: Placement, options: dict[str, Any]
+    ) -> None:
+        layout = placement.layout
+        remote = ray.remote(EngineActor)
+        self.kind = kind
+        self.actors = [
+            remote.options(
+                num_cpus=0 if layout.colocate else 1,
+                num_gpus=(0.2 if layout.colocate else 1) if layout.use_gpu else 0,
+                scheduling_strategy=placement.strategy(layout.engine_bundles(e)[0]),
+            ).remote(kind, checkpoint, options)
+            for e in range(layout.num_engines)
+        ]
+        wait_all([a.ready.remote() for a in self.actors], "starting the rollout engines")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """``params.n`` completions per prompt; engine k serves the k-th contiguous chunk."""
+        chunks = _split(len(prompts), len(self.actors))
+        refs = []
+        for k, (start, stop) in enumerate(chunks):
+            if start == stop:
+                continue
+            seed = None if params.seed is None else params.seed + start
+            chunk_params = SamplingParams(**{**params.__dict__, "seed": seed})
+            refs.append(self.actors[k].generate.remote(prompts[start:stop], chunk_params))
+        out: list[list[Completion]] = []
+        for part in wait_all(refs, "generating completions"):
+            out.extend(part)
+        return out
+
+    def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
+        refs = [a.score.remote(token_ids, prompt_len, temperature) for a in self.actors]
+        return wait_all(refs, "scoring the probe")[0]
+
+    def weight_versions(self) -> list[int]:
+        return wait_all([a.weight_version.remote() for a in self.actors], "reading versions")
+
+    def sleep(self) -> None:
+        wait_all([a.sleep.remote() for a in self.actors], "putting engines to sleep")
+
+    def wake_up(self) -> None:
+        wait_all([a.wake_up.remote() for a in self.actors], "waking engines")
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        stop = start + base + (1 if k < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds

@@ -1,0 +1,173 @@
+"""The training ranks as Ray actors: ``RayTrainGroup`` fans each call out to every rank.
+
+Where it fits: ``vime.trainer`` owns one group. Every rank is a ``TrainWorker``
+holding the backend's ``TrainActor`` (the class the registry names for
+``--train-backend``); the worker sets the torch.distributed environment before
+the backend initializes, and owns the training side of the weight transports
+(rank 0 sends; the other ranks take part in the all-gathers of
+``weight_buckets``). The loop only calls the group's methods, each of which
+returns rank 0's answer once every rank has finished, or raises as soon as any
+rank fails.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+from vime.backends import registry
+from vime.ray.placement import Placement, wait_all
+
+
+class TrainWorker:
+    """One training rank (wrapped by ``ray.remote`` below)."""
+
+    def __init__(self, backend: str, rank: int, world: int, master: tuple[str, int] | None):
+        self.rank, self.world, self.backend = rank, world, backend
+        self.master = master
+        self.actor = None
+        self._group = None
+
+    def address(self) -> tuple[str, int]:
+        from vime.weights.transports import free_port, node_ip
+
+        return node_ip(), free_port()
+
+    def init(self, args: Any, master: tuple[str, int], num_threads: int) -> int:
+        import torch
+
+        torch.set_num_threads(num_threads)
+        os.environ.update(
+            MASTER_ADDR=master[0],
+            MASTER_PORT=str(master[1]),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world),
+            LOCAL_RANK=str(self.rank % max(1, args.actor_num_gpus_per_node)),
+        )
+        if torch.cuda.is_available():
+            # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU: it is device 0 here.
+            os.environ["LOCAL_RANK"] = "0"
+        self.actor = registry.actor_class(self.backend)()
+        return self.actor.init(args)
+
+    def train(self, schedule: Any) -> dict[str, float]:
+        return self.actor.train(schedule)
+
+    def compute_log_probs(self, schedule: Any, which: str) -> Any:
+        return self.actor.compute_log_probs(schedule, which)
+
+    def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
+        self.actor.save(rollout_id, extra)
+
+    def loaded_extra(self) -> dict[str, Any]:
+        return getattr(self.actor, "loaded_extra", {}) or {}
+
+    def export_hf(self, path: str) -> None:
+        self.actor.export_hf(path)
+
+    def sleep(self) -> None:
+        self.actor.sleep()
+
+    def wake_up(self) -> None:
+        self.actor.wake_up()
+
+    # --- weight transports: every rank iterates the buckets (collective); rank 0 sends ---
+
+    def push_to_object_store(self, bucket_bytes: int) -> list[Any]:
+        refs = []
+        for bucket in self.actor.weight_buckets(bucket_bytes):
+            if self.rank == 0:
+                refs.append(ray.put(bucket))
+        return refs
+
+    def join_broadcast(self, host: str, port: int, world: int, backend: str) -> None:
+        from vime.weights.transports import BroadcastGroup
+
+        self._group = BroadcastGroup(host, port, 0, world, backend=backend)
+
+    def push_broadcast(self, engines: list[Any], bucket_bytes: int, version: int) -> None:
+        from vime.weights.transports import metadata_of
+
+        for bucket in self.actor.weight_buckets(bucket_bytes):
+            if self.rank != 0:
+                continue
+            meta = metadata_of(bucket)
+            refs = [engine.receive_bucket.remote(meta) for engine in engines]
+            self._group.send(bucket)
+            ray.get(refs)
+        if self.rank == 0:
+            ray.get([engine.finish_update.remote(version) for engine in engines])
+
+
+class RayTrainGroup:
+    """All training ranks of the run; methods return rank 0's result."""
+
+    def __init__(self, backend: str, placement: Placement) -> None:
+        layout = placement.layout
+        remote = ray.remote(TrainWorker)
+        self.world = layout.num_train
+        self.workers = [
+            remote.options(
+                num_cpus=1,
+                num_gpus=(0.8 if layout.colocate else 1) if layout.use_gpu else 0,
+                scheduling_strategy=placement.strategy(rank),
+            ).remote(backend, rank, self.world, None)
+            for rank in range(self.world)
+        ]
+
+    def _all(self, what: str, method: str, *args: Any) -> list[Any]:
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return wait_all(refs, what)
+
+    def init(self, args: Any, num_threads: int) -> int:
+        master = ray.get(self.workers[0].address.remote())
+        starts = self._all("initializing the training ranks", "init", args, master, num_threads)
+        return starts[0]
+
+    def train(self, schedule_ref: Any) -> dict[str, float]:
+        return self._all("training", "train", schedule_ref)[0]
+
+    def compute_log_probs(self, schedule_ref: Any, which: str) -> list[Any]:
+        return self._all("computing log-probs", "compute_log_probs", schedule_ref, which)
+
+    def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
+        self._all(f"saving rollout {rollout_id}", "save", rollout_id, extra)
+
+    def loaded_extra(self) -> dict[str, Any]:
+        return ray.get(self.workers[0].loaded_extra.remote())
+
+    def export_hf(self, path: str) -> None:
+        self._all(f"exporting to {path}", "export_hf", path)
+
+    def sleep(self) -> None:
+        self._all("putting training to sleep", "sleep")
+
+    def wake_up(self) -> None:
+        self._all("waking training", "wake_up")
+
+    # --- weight sync ---
+
+    def sync_object_store(self, engines: Any, bucket_bytes: int, version: int) -> None:
+        refs = self._all("gathering weights", "push_to_object_store", bucket_bytes)[0]
+        calls = [a.update_from_object_store.remote(refs, version) for a in engines.actors]
+        wait_all(calls, "loading new weights into the engines")
+
+    def setup_broadcast(self, engines: Any, backend: str) -> None:
+        host, port = ray.get(self.workers[0].address.remote())
+        world = 1 + len(engines.actors)
+        refs = [self.workers[0].join_broadcast.remote(host, port, world, backend)]
+        refs += [
+            a.join_broadcast.remote(host, port, rank, world, backend)
+            for rank, a in enumerate(engines.actors, start=1)
+        ]
+        wait_all(refs, "forming the weight-broadcast group")
+
+    def sync_broadcast(self, engines: Any, bucket_bytes: int, version: int) -> None:
+        self._all("broadcasting weights", "push_broadcast", engines.actors, bucket_bytes, version)
+
+    def sync_disk(self, engines: Any, folder: str, version: int) -> None:
+        self.export_hf(folder)
+        calls = [a.update_from_disk.remote(folder, version) for a in engines.actors]
+        wait_all(calls, "reloading weights from disk")

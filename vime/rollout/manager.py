@@ -1,0 +1,266 @@
+"""``RolloutManager``: prompts in, a scored ``RolloutBatch`` with advantages out.
+
+Where it fits: the first half of every step of ``vime.trainer``. It draws
+``--rollout-batch-size`` prompts from the ``PromptSource``, asks the engines
+for ``--n-samples-per-prompt`` completions each, scores them with the
+``RewardScorer``, optionally drops groups whose rewards all agree (dynamic
+sampling), and turns the rest into the token-level ``RolloutBatch`` both
+training backends consume. It also scores held-out prompts for evaluation.
+
+A sample whose reward failed stays in the batch (so the batch keeps its shape)
+with an all-zero loss mask and advantage 0: it adds nothing to the gradient and
+is counted in ``rollout/reward_failures``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vime.algo import compute_advantages, load_function
+from vime.data.batch import RolloutBatch
+from vime.data.prompts import Prompt, PromptSource
+from vime.rollout.rewards import RewardInput, RewardScorer
+from vime.rollout.types import Completion, SamplingParams
+
+
+class DataExhausted(Exception):
+    """Every epoch of the prompts has been used; the run ends after the last full rollout."""
+
+
+@dataclass
+class _Group:
+    prompt: Prompt
+    prompt_ids: list[int]
+    completions: list[Completion]
+    rewards: list[float | None]
+
+
+def rollout_seed(seed: int, rollout_id: int, round_index: int = 0) -> int:
+    """The sampling seed of one generation round: a function of the run seed and position
+    alone, so a resumed run samples exactly what the uninterrupted run would have."""
+    return (seed * 1_000_003 + rollout_id * 7919 + round_index * 104_729) % (2**31 - 1)
+
+
+class RolloutManager:
+    """Generation, reward and advantages for one rollout at a time."""
+
+    def __init__(
+        self,
+        args: Any,
+        engines: Any,
+        tokenizer: Any,
+        scorer: RewardScorer,
+        source: PromptSource,
+        prompt_ids: dict[int, list[int]],
+        *,
+        is_correct: Callable[[str, Any], bool] | None = None,
+        warn: Callable[[str], None] = print,
+    ) -> None:
+        self.args = args
+        self.engines = engines
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+        self.source = source
+        self.prompt_ids = prompt_ids  # Prompt.index -> token ids
+        self.is_correct = is_correct
+        self.warn = warn
+        stops = list(args.rollout_stop_token_ids)
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:
+            stops.append(tokenizer.eos_token_id)
+        self.stop_token_ids = tuple(stops)
+        self.advantage_fn = compute_advantages
+        if args.custom_advantage_function_path:
+            self.advantage_fn = load_function(
+                args.custom_advantage_function_path, expected=compute_advantages
+            )
+
+    # ----- training rollouts ---------------------------------------------------------------
+
+    def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """One rollout: ``rollout_batch_size`` groups, scored, with advantages."""
+        args = self.args
+        want = args.rollout_batch_size
+        start = time.perf_counter()
+        kept: list[_Group] = []
+        agreeing: list[_Group] = []
+        rounds = drawn = 0
+        generated_tokens = 0
+        failures = 0
+        while len(kept) < want:
+            if rounds > 0 and (
+                not args.dynamic_sampling_filter or rounds >= args.dynamic_sampling_max_rounds
+            ):
+                break
+            if self.source.exhausted:
+                break
+            prompts = self.source.next_batch(want - len(kept))
+            drawn += len(prompts)
+            groups = self._sample(prompts, rollout_seed(args.seed, rollout_id, rounds))
+            rounds += 1
+            for group in groups:
+                generated_tokens += sum(len(c.response_ids) for c in group.completions)
+                failures += sum(r is None for r in group.rewards)
+                if args.dynamic_sampling_filter and _all_agree(group.rewards):
+                    agreeing.append(group)
+                else:
+                    kept.append(group)
+        # Short after the last round: fill with agreeing groups (advantage 0) so the batch
+        # keeps the shape the plan expects; counted so the user sees it.
+        short = want - len(kept)
+        kept += agreeing[:short]
+        if len(kept) < want:
+            raise DataExhausted(f"the prompts ran out during rollout {rollout_id}")
+        elapsed = time.perf_counter() - start
+        batch = self._to_batch(kept)
+        rewards = [r for g in kept for r in g.rewards if r is not None]
+        lengths = [len(c.response_ids) for g in kept for c in g.completions]
+        truncated = [c.finish_reason == "length" for g in kept for c in g.completions]
+        metrics = {
+            "rollout/reward_mean": _mean(rewards),
+            "rollout/reward_std": _std(rewards),
+            "rollout/response_len_mean": _mean(lengths),
+            "rollout/truncated_frac": _mean(truncated),
+            "rollout/reward_failures": float(failures),
+            "rollout/prompts_drawn": float(drawn),
+            "perf/rollout_time_s": elapsed,
+            "perf/rollout_tokens_per_s": generated_tokens / max(elapsed, 1e-9),
+        }
+        if args.dynamic_sampling_filter:
+            metrics["rollout/groups_filtered"] = float(len(agreeing) - max(0, short))
+            metrics["rollout/groups_short"] = float(max(0, short))
+        if self.is_correct is not None:
+            metrics["rollout/accuracy"] = _mean(self._correct(kept))
+        warning = self.scorer.failure_warning()
+        if warning:
+            self.warn(f"vime: rollout {rollout_id}: {warning}")
+        return batch, metrics
+
+    def _sample(self, prompts: Sequence[Prompt], seed: int) -> list[_Group]:
+        args = self.args
+        params = SamplingParams(
+            n=args.n_samples_per_prompt,
+            temperature=args.rollout_temperature,
+            top_p=args.rollout_top_p,
+            top_k=args.rollout_top_k,
+            max_new_tokens=args.rollout_max_response_len,
+            stop_token_ids=self.stop_token_ids,
+            seed=seed,
+        )
+        return self._score(prompts, self.engines.generate(self._ids(prompts), params))
+
+    def _ids(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        return [self.prompt_ids[p.index] for p in prompts]
+
+    def _score(
+        self, prompts: Sequence[Prompt], completions: list[list[Completion]]
+    ) -> list[_Group]:
+        inputs = [
+            RewardInput(
+                prompt=p.text,
+                response=self.decode(c.response_ids),
+                label=p.label,
+                metadata=p.metadata,
+                group=g,
+            )
+            for g, (p, group) in enumerate(zip(prompts, completions, strict=True))
+            for c in group
+        ]
+        rewards = self.scorer.score_sync(inputs)
+        n = len(completions[0]) if completions else 0
+        return [
+            _Group(p, self.prompt_ids[p.index], group, rewards[g * n : (g + 1) * n])
+            for g, (p, group) in enumerate(zip(prompts, completions, strict=True))
+        ]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _to_batch(self, groups: list[_Group]) -> RolloutBatch:
+        n = self.args.n_samples_per_prompt
+        rewards = []
+        for group in groups:
+            valid = [r for r in group.rewards if r is not None]
+            fill = sum(valid) / len(valid) if valid else 0.0
+            # A failed sample gets its group's mean reward, so it shifts no one's advantage.
+            rewards += [fill if r is None else r for r in group.rewards]
+        advantages = self.advantage_fn(
+            torch.tensor(rewards, dtype=torch.float64), n, self.args.advantage_estimator
+        ).tolist()
+        tokens, prompt_lengths, masks, logps, advs = [], [], [], [], []
+        i = 0
+        for group in groups:
+            for completion, reward in zip(group.completions, group.rewards, strict=True):
+                ok = reward is not None
+                tokens.append(group.prompt_ids + list(completion.response_ids))
+                prompt_lengths.append(len(group.prompt_ids))
+                masks.append([int(ok)] * len(completion.response_ids))
+                logps.append(list(completion.log_probs))
+                advs.append(advantages[i] if ok else 0.0)
+                i += 1
+        return RolloutBatch(tokens, prompt_lengths, masks, advs, rollout_log_probs=logps)
+
+    def _correct(self, groups: list[_Group]) -> list[bool]:
+        return [
+            bool(self.is_correct(self.decode(c.response_ids), g.prompt.label))
+            for g in groups
+            for c in g.completions
+        ]
+
+    # ----- evaluation ----------------------------------------------------------------------
+
+    def evaluate(self, prompts: Sequence[Prompt], prompt_ids: dict[int, list[int]]) -> dict:
+        """Mean reward and pass@1 on held-out prompts; nothing is trained."""
+        args = self.args
+        params = SamplingParams(
+            n=args.eval_n_samples_per_prompt,
+            temperature=args.eval_temperature,
+            top_p=1.0 if args.eval_temperature == 0 else args.rollout_top_p,
+            top_k=-1 if args.eval_temperature == 0 else args.rollout_top_k,
+            max_new_tokens=args.rollout_max_response_len,
+            stop_token_ids=self.stop_token_ids,
+            seed=rollout_seed(args.seed, -1),
+        )
+        saved, self.prompt_ids = self.prompt_ids, prompt_ids
+        try:
+            completions = self.engines.generate(self._ids(prompts), params)
+            groups = self._score(prompts, completions)
+        finally:
+            self.prompt_ids = saved
+        rewards = [r for g in groups for r in g.rewards if r is not None]
+        if self.is_correct is not None:
+            correct = self._correct(groups)
+        else:  # binary rewards (math, exact): a sample is correct when it scores 1
+            correct = [r is not None and r >= 1.0 for g in groups for r in g.rewards]
+        return {
+            "eval/reward_mean": _mean(rewards),
+            "eval/pass@1": _mean(correct),
+            "eval/num_prompts": float(len(prompts)),
+        }
+
+    def state_dict(self) -> dict:
+        return {"prompts": self.source.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state["prompts"])
+
+
+def _all_agree(rewards: list[float | None]) -> bool:
+    valid = [r for r in rewards if r is not None]
+    return len(valid) < 2 or max(valid) - min(valid) < 1e-9
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else math.nan
+
+
+def _std(values: Sequence[float]) -> float:
+    if len(values) < 2:
+        return 0.0 if values else math.nan
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))

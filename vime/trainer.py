@@ -1,0 +1,288 @@
+"""The GRPO loop: rollout -> reward -> advantage -> train -> weight sync -> save -> log.
+
+Where it fits: ``vime.cli`` parses and validates the flags and calls ``run``.
+Everything here is sequencing; the parts live elsewhere: prompts and tasks in
+``vime.data``, generation and rewards in ``vime.rollout``, placement in
+``vime.ray``, the backends behind ``vime.backends.registry``, metrics in
+``vime.tracking``. ``Run`` builds them once; ``Run.step`` is one rollout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+
+from vime.config.parser import Config
+from vime.data.batch import RolloutBatch, schedule
+from vime.data.prompts import (
+    PromptSource,
+    builtin_task_of,
+    filter_prompt_lengths,
+    load_prompts,
+    render_prompt,
+)
+from vime.ray.engines import EngineGroup, resolve_engine
+from vime.ray.placement import layout_of, reserve, start_ray
+from vime.ray.train_group import RayTrainGroup
+from vime.rollout.manager import DataExhausted, RolloutManager
+from vime.rollout.rewards import build_reward_scorer
+from vime.tracking import Tracker, default_output_dir
+
+EMBEDDED_MODEL_DIR = "embedded_model"
+
+
+def run(args: Config) -> dict[str, Any]:
+    """Train as ``args`` says; returns the final summary (also in ``summary.json``)."""
+    session = Run(args)
+    try:
+        return session.train()
+    finally:
+        session.close()
+
+
+class Run:
+    """One training run: owns the Ray actors, the data position and the tracker."""
+
+    def __init__(self, args: Config) -> None:
+        output_dir = args.output_dir or default_output_dir()
+        os.makedirs(output_dir, exist_ok=True)
+        self.output_dir = output_dir
+        self.embedded = args.hf_checkpoint is None
+        checkpoint_dir = args.hf_checkpoint or _embedded_checkpoint(output_dir, args.seed)
+        self.log(f"vime: model {checkpoint_dir}")
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+        task_name = builtin_task_of(args.prompt_data or "")
+        self.task = _task(task_name)
+        train_prompts, self.prompt_ids, dropped = self._prompts(args, args.prompt_data)
+        source = PromptSource(train_prompts, num_epoch=args.num_epoch, seed=args.seed)
+        num_rollout = args.num_rollout or source.total_batches(args.rollout_batch_size)
+        if num_rollout < 1:
+            raise ValueError(
+                f"{len(train_prompts)} prompts make no full rollout of --rollout-batch-size "
+                f"{args.rollout_batch_size}; lower it or add data"
+            )
+        # Resolved once here so every process sees the same values (the LR schedule needs
+        # the run length; the actors need the checkpoint the embedded default wrote).
+        self.args = args = args.replace(
+            hf_checkpoint=checkpoint_dir,
+            num_rollout=num_rollout,
+            output_dir=output_dir,
+            save_hf=args.save_hf or (os.path.join(output_dir, "model") if self.embedded else None),
+        )
+        self.eval_prompts = None
+        if args.eval_prompt_data:
+            self.eval_prompts, self.eval_ids, _ = self._prompts(args, args.eval_prompt_data)
+        self.dropped_prompts = dropped
+        self.scorer = build_reward_scorer(args, self.task.reward if self.task else None)
+
+        import torch
+
+        use_gpu = torch.cuda.is_available()
+        layout = layout_of(args, use_gpu)
+        start_ray(args.ray_address, layout.num_bundles)
+        self.placement = reserve(layout)
+        threads = max(1, (os.cpu_count() or 1) // max(1, args.actor_num_gpus_per_node))
+        self.train_group = RayTrainGroup(args.train_backend, self.placement)
+        self.start_rollout = self.train_group.init(args, threads)
+        kind, reason = resolve_engine(args.rollout_engine)
+        self.log(f"vime: rollout engine {kind} ({reason}), {layout.num_engines} engine(s)")
+        self.engines = EngineGroup(
+            kind,
+            checkpoint_dir,
+            self.placement,
+            {
+                "num_threads": os.cpu_count() or 1,
+                "tensor_parallel_size": args.rollout_num_gpus_per_engine,
+                "seed": args.seed,
+            },
+        )
+        self.manager = RolloutManager(
+            args,
+            self.engines,
+            self.tokenizer,
+            self.scorer,
+            source,
+            self.prompt_ids,
+            is_correct=self.task.is_correct if self.task else None,
+            warn=self.log,
+        )
+        if self.start_rollout > 0:
+            self.manager.load_state_dict(self.train_group.loaded_extra()["data"])
+        self.transport = _transport(args, use_gpu)
+        if self.transport == "broadcast":
+            self.train_group.setup_broadcast(self.engines, "nccl" if use_gpu else "gloo")
+        self.tracker = Tracker(
+            output_dir,
+            num_rollouts=num_rollout,
+            start_rollout=self.start_rollout,
+            use_tensorboard=args.use_tensorboard,
+            use_wandb=args.use_wandb,
+            wandb_project=args.wandb_project,
+            config=vars(args),
+        )
+        self.probe = self._probe_sequence()
+
+    # ----- the loop ------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        args = self.args
+        if self.start_rollout > 0:  # the engines start from the HF checkpoint, not the resume
+            self.sync_weights(self.start_rollout)
+        for rollout_id in range(self.start_rollout, args.num_rollout):
+            try:
+                metrics = self.step(rollout_id)
+            except DataExhausted as end:
+                self.log(f"vime: {end}; stopping after {rollout_id} rollouts")
+                break
+            self.tracker.log(rollout_id, metrics)
+        summary: dict[str, Any] = {"output_dir": self.output_dir}
+        if self.eval_prompts is not None:
+            summary["final_eval"] = self.manager.evaluate(self.eval_prompts, self.eval_ids)
+            self.log(f"vime: final eval {_fmt(summary['final_eval'])}")
+        if args.save_hf:
+            self.train_group.export_hf(args.save_hf)
+            summary["save_hf"] = args.save_hf
+        summary["plot"] = self.tracker.finish(summary)
+        return summary
+
+    def step(self, rollout_id: int) -> dict[str, float]:
+        args = self.args
+        start = time.perf_counter()
+        if args.colocate:
+            self.train_group.sleep()
+            self.engines.wake_up()
+        batch, metrics = self.manager.generate(rollout_id)
+        if args.colocate:
+            self.engines.sleep()
+            self.train_group.wake_up()
+        train_start = time.perf_counter()
+        shuffle_seed = (args.seed * 1_000_003 + rollout_id) if args.shuffle_updates else None
+        planned = schedule(
+            batch,
+            global_batch_size=args.global_batch_size,
+            dp_size=args.data_parallel_size,
+            max_tokens_per_gpu=args.max_tokens_per_gpu if args.use_dynamic_batch_size else None,
+            micro_batch_size=args.micro_batch_size,
+            shuffle_seed=shuffle_seed,
+            rollout_id=rollout_id,
+        )
+        metrics.update(self.train_group.train(ray.put(planned)))
+        train_time = time.perf_counter() - train_start
+        sync_start = time.perf_counter()
+        metrics.update(self.sync_weights(rollout_id + 1))
+        metrics["perf/weight_sync_time_s"] = time.perf_counter() - sync_start
+        if (
+            args.save
+            and args.save_interval
+            and ((rollout_id + 1) % args.save_interval == 0 or rollout_id + 1 == args.num_rollout)
+        ):
+            self.train_group.save(rollout_id, {"data": self.manager.state_dict()})
+        eval_due = args.eval_interval and (rollout_id + 1) % args.eval_interval == 0
+        if self.eval_prompts is not None and eval_due:
+            metrics.update(self.manager.evaluate(self.eval_prompts, self.eval_ids))
+        tokens = sum(len(t) for t in batch.tokens)
+        metrics["perf/train_time_s"] = train_time
+        metrics["perf/train_tokens_per_s"] = tokens / max(train_time, 1e-9)
+        metrics["perf/step_time_s"] = time.perf_counter() - start
+        return metrics
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the trainer's weights to every engine, then check what they serve."""
+        args, engines = self.args, self.engines
+        if self.transport == "object-store":
+            self.train_group.sync_object_store(engines, args.update_weight_buffer_size, version)
+        elif self.transport == "broadcast":
+            self.train_group.sync_broadcast(engines, args.update_weight_buffer_size, version)
+        else:
+            folder = os.path.join(self.output_dir, "weight_sync")
+            self.train_group.sync_disk(engines, folder, version)
+        versions = engines.weight_versions()
+        if any(v != version for v in versions):
+            raise RuntimeError(f"engines serve weight versions {versions}, expected {version}")
+        return {"weights/version": float(version), **self._probe_diff()}
+
+    # ----- pieces --------------------------------------------------------------------------
+
+    def _prompts(self, args: Config, spec: str) -> tuple[list, dict[int, list[int]], int]:
+        prompts = load_prompts(
+            spec,
+            input_key=args.input_key,
+            label_key=args.label_key,
+            metadata_key=args.metadata_key,
+            seed=args.seed,
+        )
+        ids = [render_prompt(p.text, self.tokenizer, args.apply_chat_template) for p in prompts]
+        kept, kept_ids, dropped = filter_prompt_lengths(prompts, ids, args.rollout_max_prompt_len)
+        if dropped:
+            self.log(
+                f"vime: {spec}: dropped {dropped} of {len(prompts)} prompts longer than "
+                f"--rollout-max-prompt-len {args.rollout_max_prompt_len}"
+            )
+        return kept, {p.index: i for p, i in zip(kept, kept_ids, strict=True)}, dropped
+
+    def _probe_sequence(self) -> tuple[list[int], int]:
+        """A fixed sequence (first prompt + a few of its own tokens) both sides score."""
+        prompt = next(iter(self.prompt_ids.values()))
+        return prompt + prompt[: max(1, min(8, len(prompt)))], len(prompt)
+
+    def _probe_diff(self) -> dict[str, float]:
+        tokens, prompt_len = self.probe
+        dp = self.args.data_parallel_size
+        n_resp = len(tokens) - prompt_len
+        batch = RolloutBatch([tokens] * dp, [prompt_len] * dp, [[1] * n_resp] * dp, [0.0] * dp)
+        planned = schedule(batch, global_batch_size=dp, dp_size=dp, micro_batch_size=1)
+        per_rank = self.train_group.compute_log_probs(ray.put(planned), "actor")
+        trainer = next(rank[0] for rank in per_rank if 0 in rank).tolist()
+        engine = self.engines.score(tokens, prompt_len, self.args.rollout_temperature)
+        diff = max(abs(a - b) for a, b in zip(trainer, engine, strict=True))
+        return {"weights/probe_logprob_abs_diff": diff}
+
+    def log(self, text: str) -> None:
+        tracker = getattr(self, "tracker", None)
+        if tracker is not None:
+            tracker.message(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        scorer = getattr(self, "scorer", None)
+        if scorer is not None:
+            scorer.close()
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _embedded_checkpoint(output_dir: str, seed: int) -> str:
+    from vime.data.tasks import CHARSET
+    from vime.models.embedded import write_embedded_checkpoint
+
+    return write_embedded_checkpoint(
+        os.path.join(output_dir, EMBEDDED_MODEL_DIR), charset=CHARSET, seed=seed
+    )
+
+
+def _task(name: str | None) -> Any:
+    if name is None:
+        return None
+    from vime.data.tasks import get_task
+
+    return get_task(name)
+
+
+def _transport(args: Config, use_gpu: bool) -> str:
+    if args.weight_sync == "cuda-ipc":
+        raise ValueError(
+            "--weight-sync cuda-ipc is not implemented yet; use broadcast (NCCL) on GPU"
+        )
+    if args.weight_sync != "auto":
+        return args.weight_sync
+    return "broadcast" if use_gpu else "object-store"
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in metrics.items())
