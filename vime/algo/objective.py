@@ -113,6 +113,8 @@ def micro_batch_loss(
         kl = kl_penalty(logp, ref_logp, config.kl_type, mask=mask)
         total = total + config.kl_coef * kl
         metrics.add_tokens("kl_loss", kl.detach(), mask)
+    else:  # logged as 0 so every run's metrics have the same columns
+        metrics.add_tokens("kl_loss", torch.zeros_like(logp), mask)
     if config.entropy_coef > 0:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the per-token entropy")

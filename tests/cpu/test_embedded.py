@@ -1,0 +1,114 @@
+"""The embedded default checkpoint is a real, loadable, reproducible HF model folder.
+
+Proves: transformers loads the folder as a float32 tied-embedding Qwen3 whose
+special-token ids agree across config, generation config and tokenizer; the
+same seed gives bitwise-identical weights and another seed different ones; the
+character tokenizer round-trips any text over the charset (spaces included)
+one token per character; rewriting is idempotent, a changed spec replaces the
+folder atomically, and a foreign folder is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from vime.models import write_embedded_checkpoint
+from vime.models.embedded import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 =+"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_embedded_checkpoint(tmp_path_factory.mktemp("emb") / "model", charset=CHARSET)
+
+
+def test_loads_in_transformers_with_consistent_special_tokens(folder: str) -> None:
+    config = AutoConfig.from_pretrained(folder)
+    assert config.architectures == ["Qwen3ForCausalLM"]
+    assert config.head_dim >= 32  # vLLM's CPU attention
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    gen = GenerationConfig.from_pretrained(folder)
+    assert config.vocab_size == len(tokenizer) == len(CHARSET) + 4
+    assert config.eos_token_id == gen.eos_token_id == tokenizer.eos_token_id == EOS_ID
+    assert config.pad_token_id == gen.pad_token_id == tokenizer.pad_token_id == PAD_ID
+    assert tokenizer.bos_token_id == BOS_ID and tokenizer.unk_token_id == UNK_ID
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.dtype == torch.float32
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 200_000 <= n_params <= 500_000, n_params
+    ids = torch.tensor([tokenizer("12+3=")["input_ids"]])
+    logits = model(input_ids=ids).logits
+    assert logits.shape == (1, 6, config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path, folder: str) -> None:
+    again = write_embedded_checkpoint(tmp_path / "again", charset=CHARSET)
+    other = write_embedded_checkpoint(tmp_path / "other", charset=CHARSET, seed=99)
+    ref, same, diff = (load_file(f"{p}/model.safetensors") for p in (folder, again, other))
+    assert ref.keys() == same.keys() == diff.keys()
+    assert all(torch.equal(ref[k], same[k]) for k in ref)
+    assert not torch.equal(ref["model.embed_tokens.weight"], diff["model.embed_tokens.weight"])
+
+
+def test_writing_does_not_move_the_callers_random_stream(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    write_embedded_checkpoint(tmp_path / "m", charset="ab", num_hidden_layers=1)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_tokenizer_round_trips_charset_text_with_spaces(folder: str) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = [CHARSET, "  12 + 30 =42  ", " ", "a  b", "zz=9+0 "]
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        assert ids[0] == BOS_ID and len(ids) == len(text) + 1, (text, ids)
+        assert tokenizer.encode(text, add_special_tokens=False) == ids[1:]
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+        assert tokenizer.decode([*ids, EOS_ID, PAD_ID], skip_special_tokens=True) == text
+    # One id per character, distinct and in charset order after the four special tokens.
+    assert tokenizer.encode(CHARSET, add_special_tokens=False) == list(range(4, 4 + len(CHARSET)))
+    assert tokenizer.encode("a\n?", add_special_tokens=False) == [4, UNK_ID, UNK_ID]
+
+
+def test_rewrite_is_idempotent_and_a_changed_spec_replaces(tmp_path: Path) -> None:
+    target = tmp_path / "model"
+    assert write_embedded_checkpoint(target, charset="abc ", num_hidden_layers=1) == str(target)
+    (target / "sentinel").write_text("kept")
+    write_embedded_checkpoint(target, charset="abc ", num_hidden_layers=1)
+    assert (target / "sentinel").read_text() == "kept"  # reused, not rewritten
+
+    write_embedded_checkpoint(target, charset="abcd ", num_hidden_layers=1)
+    assert not (target / "sentinel").exists()
+    assert json.loads((target / "config.json").read_text())["vocab_size"] == 4 + 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temp folders left
+
+
+def test_refuses_a_foreign_folder_and_unknown_size_options(tmp_path: Path) -> None:
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("do not delete")
+    with pytest.raises(FileExistsError, match="not an embedded vime checkpoint"):
+        write_embedded_checkpoint(foreign, charset="ab")
+    assert (foreign / "notes.txt").read_text() == "do not delete"
+    with pytest.raises(ValueError, match="hidden_sizes"):
+        write_embedded_checkpoint(tmp_path / "x", charset="ab", hidden_sizes=32)
+    with pytest.raises(ValueError, match="charset is empty"):
+        write_embedded_checkpoint(tmp_path / "y", charset="")
+
+
+def test_size_overrides_take_effect(tmp_path: Path) -> None:
+    path = write_embedded_checkpoint(tmp_path / "m", charset="ab", num_hidden_layers=2)
+    assert AutoConfig.from_pretrained(path).num_hidden_layers == 2
