@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from vime.config.errors import ConfigError
 from vime.config.parser import Config
 from vime.data.batch import RolloutBatch, schedule
 from vime.data.prompts import (
@@ -47,6 +48,11 @@ class Run:
     """One training run: owns the Ray actors, the data position and the tracker."""
 
     def __init__(self, args: Config) -> None:
+        if args.prompt_data is None:
+            raise ConfigError(
+                "--prompt-data is required with --hf-checkpoint (a .jsonl or .parquet file, "
+                "or builtin:<task>)"
+            )
         output_dir = args.output_dir or default_output_dir()
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir

@@ -107,7 +107,6 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
             ["--hf-checkpoint", ".", "--prompt-data", "builtin:add", "--use-dynamic-batch-size"],
             ["needs --max-tokens-per-gpu"],
         ),
-        (["--hf-checkpoint", "."], ["--prompt-data is required with --hf-checkpoint"]),
         (["--save-interval", "5"], ["--save-interval needs --save"]),
         (["--lr", "abc"], ["--lr", "invalid float value"]),
         (["--rollout-batch-size", "0"], ["positive integer"]),

@@ -46,11 +46,6 @@ def _check_paths(args: argparse.Namespace) -> None:
         is_file_path = path is not None and not path.startswith(BUILTIN_DATA_PREFIX)
         if is_file_path and not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: no such file (or use builtin:<task>)")
-    if args.hf_checkpoint is not None and args.prompt_data is None:
-        raise ConfigError(
-            "--prompt-data is required with --hf-checkpoint (a .jsonl or .parquet file, "
-            "or builtin:<task>)"
-        )
     # --load may name the --save folder before its first checkpoint exists (auto-resume).
     if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
         raise ConfigError(f"--load {args.load}: no such directory")

@@ -44,6 +44,7 @@ class EngineActor:
                 checkpoint,
                 tensor_parallel_size=options.get("tensor_parallel_size", 1),
                 seed=options.get("seed", 0),
+                dtype=_checkpoint_dtype(checkpoint),
             )
         elif kind == "hf":
             import torch
@@ -100,6 +101,17 @@ class EngineActor:
 
     def wake_up(self) -> None:
         self.engine.wake_up()
+
+
+def _checkpoint_dtype(checkpoint: str) -> str:
+    """The dtype the checkpoint was saved in: vLLM's "auto" would serve an fp32 model in
+    bf16 on the CPU, and its log-probs would no longer match the trainer's."""
+    import json
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        config = json.load(f)
+    dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
+    return str(dtype).removeprefix("torch.")
 
 
 class EngineGroup:

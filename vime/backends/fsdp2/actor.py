@@ -10,6 +10,7 @@ log-probs, loss, backward, and the optimizer-step chokepoint.
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,9 +23,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from vime import checkpoint
+from vime import device as vime_device
 from vime.algo import load_function, policy_loss
 from vime.algo.metrics import MetricAccumulator
 from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
@@ -33,6 +36,7 @@ from vime.backends.fsdp2 import model as fsdp_model
 from vime.backends.optim import LRSchedule, optimizer_step, param_groups
 from vime.data.batch import TrainSchedule, pad_rows
 from vime.data.micro_batch import response_log_probs
+from vime.device import HostStash
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 from vime.weights.hf_export import save_hf_folder
 
@@ -48,15 +52,17 @@ class FSDP2Actor(TrainActor):
         mesh = fsdp_model.build_mesh(args.fsdp_mode, self.world, args.fsdp_shard_size, self.device)
         if args.hf_checkpoint is None:
             raise ValueError("the fsdp2 backend needs --hf-checkpoint DIR")
-        attn = "sdpa" if args.attn_implementation == "auto" else args.attn_implementation
+        param_dtype = fsdp_model.resolve_param_dtype(args.fsdp_param_dtype, self.device)
         self.model = fsdp_model.load_sharded_model(
             args.hf_checkpoint,
             mesh=mesh,
             device=self.device,
-            attn_implementation=attn,
+            attn_implementation=fsdp_model.resolve_attn_implementation(
+                args.attn_implementation, self.device, param_dtype
+            ),
             shard_kwargs={
                 "block_classes": args.fsdp_block_classes,
-                "param_dtype": fsdp_model.resolve_param_dtype(args.fsdp_param_dtype, self.device),
+                "param_dtype": param_dtype,
                 "reduce_dtype": fsdp_model.resolve_param_dtype(args.fsdp_reduce_dtype, self.device),
                 "reshard_after_forward": args.fsdp_reshard_after_forward,
                 "cpu_offload": args.fsdp_cpu_offload,
@@ -86,6 +92,7 @@ class FSDP2Actor(TrainActor):
         self.samples_consumed = 0
         self.optimizer_steps = 0
         self.skipped_steps = 0
+        self._stash: HostStash | None = None
         # The reference model is the initial weights, kept as host copies of this rank's shards.
         self.ref_shards = self._local_shards(copy_to="cpu") if args.use_kl_loss else None
         if args.load and checkpoint.latest(args.load) is not None:
@@ -256,6 +263,38 @@ class FSDP2Actor(TrainActor):
                 tokenizer = None  # a checkpoint without a tokenizer exports weights only
         save_hf_folder(path, buckets, config=self.model.config, tokenizer=tokenizer)
 
+    # ----- accelerator memory --------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free this rank's accelerator memory while the rollout engine has the GPU.
+
+        The parameter shards, any gradients and the optimizer state that live on
+        the GPU go to host memory (their storages are emptied in place, so the
+        optimizer and FSDP keep valid references), and the allocator cache is
+        returned; what ``--fsdp-cpu-offload`` keeps on the host stays there. On
+        CPU nothing lives on an accelerator, so this is a no-op. Nothing may run
+        on the model until ``wake_up``.
+        """
+        if self._stash is not None:
+            return
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                # With --no-fsdp-reshard-after-forward a forward with no backward (log-probs)
+                # leaves the groups gathered; free those full copies too.
+                module.reshard()
+        tensors = [_local(p) for p in self.params]
+        tensors += [_local(p.grad) for p in self.params if p.grad is not None]
+        for state in self.optimizer.state.values():
+            tensors += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
+        self._stash = HostStash(t for t in tensors if vime_device.is_cuda(t.device))
+        vime_device.empty_cache()
+
+    def wake_up(self) -> None:
+        """Put back, bit for bit, what ``sleep`` moved to the host (no-op on CPU)."""
+        if self._stash is not None:
+            self._stash.restore()
+            self._stash = None
+
     # ----- checkpoints ---------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
@@ -289,22 +328,57 @@ class FSDP2Actor(TrainActor):
         dist.barrier()
 
     def _load(self, load_dir: str) -> int:
+        """Restore the newest checkpoint under ``load_dir``; return its rollout id.
+
+        DCP stores every tensor by its global shape, so a checkpoint saved by a
+        different number of ranks (or another ``--fsdp-mode``) is resharded on
+        load. Per-rank RNG streams have no counterpart then: they are re-seeded
+        from ``--seed``, the rollout id and the rank, and rank 0 says so.
+        """
         rollout_id = checkpoint.latest(load_dir)
         folder = checkpoint.iteration_dir(load_dir, rollout_id)
         meta = checkpoint.verify(folder)
+        saved_world = int(meta["world_size"])
         counters = meta["extra"]["counters"]
         self.samples_consumed = counters["samples_consumed"]
         self.optimizer_steps = counters["optimizer_steps"]
         self.skipped_steps = counters["skipped_steps"]
         state = self._state()
-        dcp.load(state, checkpoint_id=str(folder))
+        try:
+            dcp.load(state, checkpoint_id=str(folder))
+        except Exception as e:
+            if saved_world == self.world:
+                raise
+            raise checkpoint.CheckpointError(
+                f"{folder} was saved by {saved_world} ranks and could not be resharded onto "
+                f"{self.world} ranks ({type(e).__name__}); load it with {saved_world} ranks"
+            ) from e
         set_model_state_dict(self.model, state["model"])
         if "optim" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        rng = torch.load(os.path.join(folder, f"rng_rank{self.rank}.pt"), weights_only=False)
-        checkpoint.set_rng_state(rng)
+        if saved_world == self.world:
+            rng = torch.load(os.path.join(folder, f"rng_rank{self.rank}.pt"), weights_only=False)
+            checkpoint.set_rng_state(rng)
+        else:
+            _seed_all(self.args.seed * 1_000_003 + rollout_id * 1_009 + self.rank)
+            if self.rank == 0:
+                print(
+                    f"vime: {folder} was saved by {saved_world} ranks and is loaded on "
+                    f"{self.world}: weights and optimizer resharded, RNG streams re-seeded",
+                    flush=True,
+                )
         self.loaded_extra = meta["extra"]
         return rollout_id
+
+
+def _seed_all(seed: int) -> None:
+    """Seed python, numpy and torch (every device) generators from one number."""
+    import numpy as np
+
+    seed %= 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

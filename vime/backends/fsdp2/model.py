@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from vime import device as vime_device
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,19 +33,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
     The launcher (Ray train group, torchrun, or a test) sets RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT; a lone process with none of them is rank 0 of 1.
     """
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    device = vime_device.local_device()
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=vime_device.process_group_backend(device))
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -60,8 +56,17 @@ def build_mesh(mode: str, world: int, shard_size: int | None, device: torch.devi
 
 def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if vime_device.is_cuda(device) else torch.float32
     return DTYPES[name]
+
+
+def resolve_attn_implementation(name: str, device: torch.device, param_dtype: torch.dtype) -> str:
+    """``auto``: flash-attention (varlen over packed rows) on GPU when installed and the
+    compute dtype is 16-bit, which is all it supports; ``sdpa`` otherwise."""
+    if name != "auto":
+        return name
+    half = param_dtype in (torch.bfloat16, torch.float16)
+    return "flash_attention_2" if half and vime_device.has_flash_attn() else "sdpa"
 
 
 def find_block_classes(model: torch.nn.Module, names: str | None) -> tuple[type, ...]:
@@ -98,7 +103,10 @@ def shard_model(
         "reshard_after_forward": reshard_after_forward,
     }
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs an accelerator. On a CPU-only run the shards already
+        # live in host memory, so the policy changes nothing but runs the same code path.
+        pin = vime_device.is_cuda(mesh.device_type)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
     classes = find_block_classes(model, block_classes)
     blocks = [m for m in model.modules() if isinstance(m, classes)]
     for block in blocks:

@@ -1,0 +1,262 @@
+"""The vLLM rollout engine keeps the ``RolloutEngine`` contract with the trainer's numbers.
+
+Proves, on a tiny random fp32 Qwen3 served by the CPU build of vLLM (one engine
+shared by the module): sampled-token log-probs equal ``log_softmax(logits / T)``
+of a transformers fp32 forward (T = 1 and 0.7, 1e-4), so do ``score`` results
+(and scaling for one score leaves later calls at T = 1); seeded draws repeat
+and do not depend on the rest of the batch, other seeds differ; ``n`` samples
+per prompt come back in prompt order; with top-k the log-probs are those of the
+renormalised truncated distribution, greedy ones are at T = 1; EOS from the checkpoint config and
+``stop_token_ids`` end completions (token kept, finish "stop"); ``update_weights``
+makes the engine serve the new weights (stale prefix cache dropped) and
+advances ``weight_version``; building the engine leaves the caller's RNG alone;
+importing the module does not import vLLM. Skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from tiny_models import tiny_qwen3_config
+from transformers import AutoModelForCausalLM
+
+from vime.rollout.types import SamplingParams
+from vime.rollout.vllm_engine import VLLMEngine
+
+VOCAB = 64
+PROMPTS = [[3, 17, 9], [40, 2, 2, 51, 8], [12]]
+EOS_PROMPT = [5, 6, 7]
+
+
+def _random_model(seed: int, eos: int | None = None) -> torch.nn.Module:
+    config = tiny_qwen3_config(VOCAB)
+    config.eos_token_id = eos
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        # Spread the logits so greedy paths have clear margins (HF and vLLM agree on them).
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+def _greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def _reference(
+    model: torch.nn.Module, ids: list[int], start: int, temperature: float
+) -> list[float]:
+    """The trainer's log-probs: log_softmax(logits / T) of tokens ids[start:], fp32."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), use_cache=False).logits[0].float()
+    log_probs = torch.log_softmax(logits[start - 1 : -1] / temperature, dim=-1)
+    return log_probs.gather(-1, torch.tensor(ids[start:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    root = tmp_path_factory.mktemp("vllm_engine")
+    model = _random_model(seed=0)
+    # EOS = the 3rd greedy token of EOS_PROMPT (first occurrence), so that prompt
+    # must stop there; written to the checkpoint the way HF exports carry it.
+    path = _greedy(model, EOS_PROMPT, 3)
+    eos = path[2] if path[2] not in path[:2] else path[1]
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(root / "model")
+    assert json.loads((root / "model" / "generation_config.json").read_text())["eos_token_id"]
+
+    torch.manual_seed(1234)
+    engine = VLLMEngine(str(root / "model"), dtype="float32", seed=0, max_model_len=1024)
+    draw_after_start = torch.rand(3)
+    torch.manual_seed(1234)
+    return SimpleNamespace(
+        engine=engine,
+        model=model,
+        eos=eos,
+        root=root,
+        rng_untouched=torch.equal(draw_after_start, torch.rand(3)),
+    )
+
+
+def test_import_does_not_load_vllm() -> None:
+    code = "import sys, vime.rollout.vllm_engine; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_engine_start_leaves_caller_rng_alone(setup: SimpleNamespace) -> None:
+    assert setup.rng_untouched
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_log_probs_match_transformers(setup: SimpleNamespace, temperature: float) -> None:
+    params = SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=7)
+    results = setup.engine.generate(PROMPTS, params)
+    assert [len(group) for group in results] == [2] * len(PROMPTS)
+    for prompt, group in zip(PROMPTS, results, strict=True):
+        for completion in group:
+            assert completion.prompt_ids == prompt
+            assert len(completion.response_ids) == len(completion.log_probs) >= 1
+            ids = prompt + completion.response_ids
+            expected = _reference(setup.model, ids, len(prompt), temperature)
+            assert _max_diff(completion.log_probs, expected) < 1e-4
+
+
+def test_n_samples_per_prompt_in_prompt_order(setup: SimpleNamespace) -> None:
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=5, seed=1)
+    results = setup.engine.generate(PROMPTS, params)
+    assert len(results) == len(PROMPTS)
+    for prompt, group in zip(PROMPTS, results, strict=True):
+        assert len(group) == 3
+        for c in group:
+            assert c.prompt_ids == prompt
+            assert 1 <= len(c.response_ids) <= 5
+            assert c.finish_reason == ("stop" if c.response_ids[-1] == setup.eos else "length")
+        # Three seeded draws of 5 tokens over 64 ids: not all the same.
+        assert len({tuple(c.response_ids) for c in group}) > 1
+    assert setup.engine.generate([], params) == []
+
+
+def test_seeded_sampling_is_reproducible(setup: SimpleNamespace) -> None:
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=11)
+
+    def tokens(prompts: list[list[int]], p: SamplingParams) -> list[list[list[int]]]:
+        return [[c.response_ids for c in g] for g in setup.engine.generate(prompts, p)]
+
+    first = tokens(PROMPTS, params)
+    assert tokens(PROMPTS, params) == first
+    # The same request alone draws the same tokens as inside a larger batch.
+    assert tokens(PROMPTS[:1], params) == first[:1]
+    other = tokens(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=12))
+    assert other != first
+
+
+def test_top_k_log_probs_are_of_the_truncated_distribution(setup: SimpleNamespace) -> None:
+    """With top-k on, vLLM reports log-probs renormalised over the k kept tokens."""
+    params = SamplingParams(temperature=0.7, top_k=5, max_new_tokens=8, seed=4)
+    completion = setup.engine.generate([PROMPTS[0]], params)[0][0]
+    ids = PROMPTS[0] + completion.response_ids
+    with torch.no_grad():
+        logits = setup.model(torch.tensor([ids]), use_cache=False).logits[0] / 0.7
+    steps = logits[len(PROMPTS[0]) - 1 : -1]
+    kept = steps.masked_fill(steps < steps.topk(5, dim=-1).values[:, -1:], float("-inf"))
+    targets = torch.tensor(completion.response_ids).unsqueeze(-1)
+    expected = torch.log_softmax(kept, -1).gather(-1, targets).squeeze(-1).tolist()
+    assert _max_diff(completion.log_probs, expected) < 1e-4
+    full = _reference(setup.model, ids, len(PROMPTS[0]), 0.7)
+    assert all(t > f for t, f in zip(completion.log_probs, full, strict=True))
+
+
+def test_eos_from_checkpoint_stops_generation(setup: SimpleNamespace) -> None:
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=10)
+    for completion in setup.engine.generate([EOS_PROMPT], params)[0]:
+        assert completion.response_ids[-1] == setup.eos
+        assert setup.eos not in completion.response_ids[:-1]
+        assert completion.finish_reason == "stop"
+        # Greedy log-probs are reported at T = 1.
+        ids = EOS_PROMPT + completion.response_ids
+        expected = _reference(setup.model, ids, len(EOS_PROMPT), 1.0)
+        assert _max_diff(completion.log_probs, expected) < 1e-4
+
+
+def test_stop_token_ids(setup: SimpleNamespace) -> None:
+    prompt = PROMPTS[1]
+    free = setup.engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8))
+    free = free[0][0]
+    assert free.finish_reason == ("stop" if free.response_ids[-1] == setup.eos else "length")
+    assert len(free.response_ids) >= 3, "pick another prompt: EOS came too early"
+    stop_at = next(k for k in range(1, len(free.response_ids)) if free.response_ids[k] != setup.eos)
+    stop = free.response_ids[stop_at]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(stop,))
+    stopped = setup.engine.generate([prompt], params)[0][0]
+    first = free.response_ids.index(stop)
+    assert stopped.response_ids == free.response_ids[: first + 1]
+    assert stopped.finish_reason == "stop"
+    assert stopped.log_probs == pytest.approx(free.log_probs[: first + 1], abs=1e-6)
+
+
+def test_score_matches_transformers(setup: SimpleNamespace) -> None:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (20,), generator=generator).tolist()
+    prompt_len = 6
+    # T = 1 after T = 0.7 also proves the temporary logit scale is undone.
+    for temperature in (0.7, 1.0):
+        scored = setup.engine.score(ids, prompt_len, temperature)
+        assert len(scored) == len(ids) - prompt_len
+        assert _max_diff(scored, _reference(setup.model, ids, prompt_len, temperature)) < 1e-4
+    assert setup.engine.score(ids, len(ids), 1.0) == []
+    with pytest.raises(ValueError):
+        setup.engine.score(ids, 0, 1.0)
+
+
+def test_update_weights_serves_new_model(setup: SimpleNamespace) -> None:
+    engine = setup.engine
+    block = engine._llm.llm_engine.vllm_config.cache_config.block_size
+    # Longer than two KV blocks, so the prefix cache holds it after the first call.
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, VOCAB, (2 * block + 3,), generator=generator).tolist()
+    params = SamplingParams(n=1, temperature=0.7, max_new_tokens=6, seed=2)
+    before = engine.generate([prompt], params)[0][0]
+    ids = prompt + before.response_ids
+    assert _max_diff(before.log_probs, _reference(setup.model, ids, len(prompt), 0.7)) < 1e-4
+
+    new_model = _random_model(seed=1, eos=setup.eos)
+    items = list(new_model.state_dict().items())
+    buckets = [items[i : i + 3] for i in range(0, len(items), 3)]
+    version = engine.weight_version + 1
+    engine.sleep()  # no-ops on CPU; the engine must still serve afterwards
+    engine.wake_up()
+    engine.update_weights(iter(buckets), version=version)
+    try:
+        assert engine.weight_version == version
+        after = engine.generate([prompt], params)[0][0]
+        assert after.extra["weight_version"] == version
+        ids = prompt + after.response_ids
+        assert _max_diff(after.log_probs, _reference(new_model, ids, len(prompt), 0.7)) < 1e-4
+        # Old weights would be far off: the check above can fail.
+        assert _max_diff(after.log_probs, _reference(setup.model, ids, len(prompt), 0.7)) > 1e-2
+        scored = engine.score(ids, len(prompt), 0.7)
+        assert _max_diff(scored, _reference(new_model, ids, len(prompt), 0.7)) < 1e-4
+    finally:
+        # Put the module's model back for the other tests.
+        engine.update_weights([list(setup.model.state_dict().items())], version=version + 1)
+    restored = engine.generate([prompt], params)[0][0]
+    assert restored.response_ids == before.response_ids
+    assert _max_diff(restored.log_probs, before.log_probs) < 1e-5
+
+
+def test_update_weights_with_tied_embeddings(tmp_path: Path) -> None:
+    """The embedded default ties lm_head to the embedding: after an update the output
+    projection must use the new embedding too (vLLM's reload alone kept the old one)."""
+    from vime.data.tasks import CHARSET
+    from vime.models.embedded import write_embedded_checkpoint
+
+    folder = write_embedded_checkpoint(str(tmp_path / "tied"), charset=CHARSET, seed=5)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings
+    engine = VLLMEngine(folder, dtype="float32")
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.05 * torch.randn_like(model.lm_head.weight))
+    engine.update_weights([list(model.state_dict().items())], version=3)
+    ids = [2, 10, 11, 12, 13, 14, 15, 16]
+    got = engine.score(ids, 3, 1.0)
+    assert _max_diff(got, _reference(model, ids, 3, 1.0)) < 1e-4
+    assert engine.weight_version == 3

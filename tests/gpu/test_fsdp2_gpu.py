@@ -1,0 +1,195 @@
+"""The fsdp2 backend on one CUDA device: NCCL process group, bf16 compute, fp32 master weights.
+
+Proves: ``sleep`` frees most of the rank's CUDA memory (parameter shards and
+AdamW moments leave the device) and ``wake_up`` puts every shard and moment
+back bit for bit, after which a training step runs; packed log-probs equal
+per-sample log-probs (one sample a row) within bf16 rounding, while the same
+row with position ids that do not restart — samples attending to each other —
+lands far outside that tolerance, so the tolerance cannot hide a packing bug.
+Skipped without CUDA (``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 512
+# bf16 keeps 8 significant bits, so a logit near 1 moves in steps of 2**-7 ~ 0.008; log-probs
+# are taken in fp32 from bf16 logits. Packing changes only kernel tiling and summation order,
+# which flips a few roundings: on CPU bf16 the largest packed-vs-single gap of this model
+# shape was 0.006, while letting the packed samples attend to each other moved log-probs by
+# more than 0.5. 0.05 is ~6 such steps: room for GPU kernels, far below a leak.
+LOGP_ATOL = 0.05
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_qwen3_gpu")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def _args(hf: str):
+    from vime.config import parse_args
+
+    return parse_args(
+        [
+            *("--hf-checkpoint", hf, "--prompt-data", "builtin:reverse"),
+            *("--actor-num-gpus-per-node", "1", "--fsdp-param-dtype", "bfloat16"),
+            *("--rollout-batch-size", "4", "--n-samples-per-prompt", "2"),
+            *("--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3"),
+        ]
+    )
+
+
+def _batch(rollout_id: int):
+    from vime.data.batch import RolloutBatch
+
+    rng = random.Random(rollout_id)
+    tokens, prompts, masks = [], [], []
+    for _ in range(8):
+        p, r = rng.randint(4, 12), rng.randint(8, 40)
+        tokens.append([rng.randrange(VOCAB) for _ in range(p + r)])
+        prompts.append(p)
+        masks.append([1] * r)
+    adv = [rng.gauss(0, 1) for _ in range(8)]
+    return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
+
+
+def _schedule(batch, micro_batch_size: int):
+    from vime.data.batch import schedule
+
+    return schedule(
+        batch,
+        global_batch_size=len(batch),
+        dp_size=1,
+        micro_batch_size=micro_batch_size,
+    )
+
+
+@torch.no_grad()
+def _leaky_log_probs(actor, batch) -> dict[int, torch.Tensor]:
+    """Log-probs of the whole batch packed in one row whose position ids run on across
+    samples: attention then treats the row as one sequence and samples see each other."""
+    from vime.data.micro_batch import response_log_probs
+
+    indices = tuple(range(len(batch)))
+    packed = batch.pack(indices).to(actor.device)
+    positions = torch.arange(packed.row_length, device=actor.device)[None]
+    leaky = dataclasses.replace(packed, position_ids=positions)
+    logits = actor.model(**leaky.model_inputs()).logits
+    logp, _ = response_log_probs(logits.float(), leaky)
+    return {i: logp[row, : int(leaky.response_lengths[row])].cpu() for row, i in enumerate(indices)}
+
+
+def _state_tensors(actor) -> list[torch.Tensor]:
+    tensors = [p.to_local() for p in actor.params]
+    for state in actor.optimizer.state.values():
+        tensors += [v.to_local() for k, v in state.items() if k != "step"]
+    return tensors
+
+
+def _worker(rank: int, port: int, hf: str, out: str) -> None:
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    import torch.distributed as dist
+
+    from vime.backends.fsdp2.actor import FSDP2Actor
+
+    actor = FSDP2Actor()
+    actor.init(_args(hf))
+    batch = _batch(0)
+    packed = actor.compute_log_probs(_schedule(batch, micro_batch_size=len(batch)), "actor")
+    single = actor.compute_log_probs(_schedule(batch, micro_batch_size=1), "actor")
+    leaky = _leaky_log_probs(actor, batch)
+
+    actor.train(_schedule(batch, micro_batch_size=2))  # AdamW moments now exist
+    torch.cuda.synchronize()
+    awake_bytes = torch.cuda.memory_allocated(actor.device)
+    snapshot = [t.detach().cpu().clone() for t in _state_tensors(actor)]
+    actor.sleep()
+    asleep_bytes = torch.cuda.memory_allocated(actor.device)
+    actor.wake_up()
+    tensors = _state_tensors(actor)
+    on_device = all(t.is_cuda for t in tensors)
+    restored = all(torch.equal(t.cpu(), s) for t, s in zip(tensors, snapshot, strict=True))
+    metrics = actor.train(_schedule(_batch(1), micro_batch_size=2))
+    after = _state_tensors(actor)
+    moved = any(not torch.equal(t.cpu(), s) for t, s in zip(after, snapshot, strict=True))
+
+    torch.save(
+        {
+            "device": str(actor.device),
+            "packed": packed,
+            "single": single,
+            "leaky": leaky,
+            "masks": batch.loss_masks,
+            "awake_bytes": awake_bytes,
+            "asleep_bytes": asleep_bytes,
+            "state_tensors": len(snapshot),
+            "on_device": on_device,
+            "restored": restored,
+            "metrics": metrics,
+            "moved": moved,
+        },
+        out,
+    )
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def got(hf_dir, tmp_path_factory) -> dict:
+    out = str(Path(tmp_path_factory.mktemp("gpu")) / "result.pt")
+    mp.spawn(_worker, args=(_free_port(), hf_dir, out), nprocs=1)
+    return torch.load(out, weights_only=False)
+
+
+def test_sleep_frees_memory_and_wake_restores_bitwise(got) -> None:
+    assert got["device"].startswith("cuda")
+    assert got["state_tensors"] > 0
+    assert got["asleep_bytes"] < 0.5 * got["awake_bytes"], (got["asleep_bytes"], got["awake_bytes"])
+    assert got["on_device"], "a parameter shard or AdamW moment did not come back to the GPU"
+    assert got["restored"], "wake_up did not restore every shard and moment bit for bit"
+    assert got["metrics"]["train/skipped_steps"] == 0.0
+    assert torch.isfinite(torch.tensor(got["metrics"]["train/loss"]))
+    assert got["moved"], "the step after wake_up did not update the weights"
+
+
+def test_packed_log_probs_match_per_sample_in_bf16(got) -> None:
+    assert set(got["packed"]) == set(got["single"]) == set(range(len(got["masks"])))
+    leak = 0.0
+    for i, single in got["single"].items():
+        assert single.shape == got["packed"][i].shape
+        torch.testing.assert_close(got["packed"][i], single, atol=LOGP_ATOL, rtol=0)
+        if i > 0:  # the first sample of the row sees nothing before it either way
+            leak = max(leak, float((got["leaky"][i] - single).abs().max()))
+    assert leak > 4 * LOGP_ATOL, f"cross-sample attention moved log-probs by only {leak}"

@@ -1,0 +1,122 @@
+"""The device seam: where CUDA-only calls live, so callers need no ``torch.cuda`` branches.
+
+Where it fits: the fsdp2 backend asks this module which device a rank uses,
+which process-group backend goes with it, whether flash-attention is usable,
+and how to park tensors in host memory and free the allocator cache for
+``sleep``/``wake_up``; rollout engines should come here too rather than call
+``torch.cuda`` directly. On a CPU-only machine every helper is a cheap no-op
+or returns the CPU answer, so the CPU test suite runs the same code paths as
+a GPU job.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def is_cuda(device: torch.device | str | None) -> bool:
+    """Whether ``device`` is a CUDA device (``None`` means the CPU)."""
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def local_device() -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` (made current) when CUDA exists, else CPU."""
+    if not cuda_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL for CUDA tensors with gloo beside it for host tensors; gloo alone on CPU."""
+    return "cpu:gloo,cuda:nccl" if is_cuda(device) else "gloo"
+
+
+def empty_cache() -> None:
+    """Hand cached, unused accelerator blocks back to the driver (no-op on CPU)."""
+    if cuda_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def has_flash_attn() -> bool:
+    """Whether transformers can use flash-attention 2 here (a CUDA device and a usable
+    flash-attn package, as transformers itself checks it)."""
+    if not cuda_available():
+        return False
+    from transformers.utils import is_flash_attn_2_available
+
+    return is_flash_attn_2_available()
+
+
+def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HostStash:
+    """The storages of some tensors parked in host memory until ``restore``.
+
+    Frees by resizing each storage to zero bytes (as FSDP frees gathered
+    parameters), so every tensor object, view, DTensor shard and optimizer
+    reference stays valid while the memory is gone; ``restore`` reallocates
+    and copies the bytes back, bit for bit. Storages shared by several of the
+    tensors are parked once. The tensors must not be used until ``restore``.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        self._parked: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        seen: set[int] = set()
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            # Pinned host pages make the copies DMA transfers; pinning needs CUDA.
+            host = torch.empty(
+                storage.nbytes(), dtype=torch.uint8, pin_memory=is_cuda(storage.device)
+            )
+            host.copy_(_as_bytes(storage))
+            self._parked.append((storage, host))
+        for storage, _ in self._parked:
+            storage.resize_(0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes parked in host memory."""
+        return sum(host.numel() for _, host in self._parked)
+
+    def restore(self) -> None:
+        """Give every parked storage its memory and bytes back (idempotent)."""
+        for storage, host in self._parked:
+            storage.resize_(host.numel())
+            _as_bytes(storage).copy_(host)
+        self._parked = []
+
+
+def memory_saver() -> Any | None:
+    """torch_memory_saver's process-wide singleton on CUDA when installed, else None.
+
+    It frees the physical memory of tensors allocated inside its ``region()``
+    while keeping their addresses (``pause()`` / ``resume()``), which suits
+    engines whose buffers are captured by CUDA graphs. It needs libcuda, so on
+    CPU this is always None. The fsdp2 actor uses ``HostStash`` instead: its
+    tensors are not allocated inside a region, and no LD_PRELOAD is needed.
+    """
+    if not cuda_available() or importlib.util.find_spec("torch_memory_saver") is None:
+        return None
+    import torch_memory_saver as tms
+
+    # The singleton is ``torch_memory_saver`` in current releases, ``memory_saver`` in older ones.
+    saver = getattr(tms, "torch_memory_saver", None) or getattr(tms, "memory_saver", None)
+    return None if saver is None or isinstance(saver, types.ModuleType) else saver
