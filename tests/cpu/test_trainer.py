@@ -148,3 +148,51 @@ def test_resume_redoes_the_next_rollout_exactly(full_run: Path, tmp_path: Path) 
         "train/entropy",
     ):
         assert resumed[0][key] == original[key], key
+
+
+FLAKY_REWARD = """
+from vime.data.tasks import get_task
+
+TASK = get_task("reverse")
+
+
+def reward(args, sample):
+    if sample.response.startswith("a"):
+        raise RuntimeError("reward service hiccup")
+    return TASK.reward(sample.response, sample.label)
+"""
+
+
+def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_path) -> None:
+    """The gloo broadcast transport and the transformers engine, colocated (sleep/wake are
+    CPU no-ops), with a reward function that raises for some samples: those are counted,
+    excluded from the loss, and the run goes on; groups whose rewards agree are filtered."""
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    _train(
+        "--num-rollout",
+        "2",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--rollout-engine",
+        "hf",
+        "--weight-sync",
+        "broadcast",
+        "--colocate",
+        "--custom-rm-path",
+        "flaky:reward",
+        "--dynamic-sampling-filter",
+        "--dynamic-sampling-max-rounds",
+        "3",
+        "--eval-prompt-data",
+        "builtin:reverse:eval",
+        cwd=tmp_path,
+    )
+    rows = _metrics(tmp_path / "out")
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert sum(r["rollout/reward_failures"] for r in rows) > 0
+    for row in rows:
+        assert row["weights/version"] == row["rollout_id"] + 1
+        assert row["weights/probe_logprob_abs_diff"] < 1e-4
+        assert row["rollout/prompts_drawn"] >= 8
+        assert "rollout/groups_filtered" in row
+        assert math.isfinite(row["train/loss"])

@@ -425,7 +425,9 @@ EMBEDDED_DEFAULTS = {
     "num_epoch": 1000,
     "lr": 3e-4,
     "use_dynamic_batch_size": True,
-    "max_tokens_per_gpu": 8192,
+    # Small rows: on the CPU a packed row's attention is one dense block-diagonal
+    # mask, quadratic in the row length (bench/README.md).
+    "max_tokens_per_gpu": 1024,
 }
 
 

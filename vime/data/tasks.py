@@ -94,8 +94,10 @@ class Task:
         matches = sum(a == b for a, b in zip(answer_chars, label_chars, strict=False))
         length = max(0.0, 1.0 - abs(len(answer) - len(label)) / len(label))
         in_alphabet = sum(c in self.answer_alphabet for c in answer) / len(answer)
+        # Positions count against the longer of the two: characters after the answer
+        # dilute the credit, so stopping (EOS) is what turns a right prefix into 1.0.
         score = (
-            _POSITION_WEIGHT * matches / len(label)
+            _POSITION_WEIGHT * matches / max(len(label), len(answer))
             + _LENGTH_WEIGHT * length
             + _ALPHABET_WEIGHT * in_alphabet
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import tempfile
@@ -179,8 +180,12 @@ class VLLMEngine:
         # Seeds requests that come without one, so a run is reproducible from `seed`.
         self._rng = random.Random(seed)
         self._asleep = False
+        # vLLM logs at INFO per request batch and weight reload; a run's console is for
+        # the progress line. VLLM_LOGGING_LEVEL=INFO brings it back.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
         import vllm
+
 
         with _PreservedGlobalRng():
             self._llm = vllm.LLM(
@@ -201,6 +206,12 @@ class VLLMEngine:
         core = type(self._llm.llm_engine.engine_core).__name__
         executor = self._llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
         self._in_process = core == "InprocClient" and executor == "uni"
+        # Every reload warns that the rotary buffers and a tied lm_head got no weights:
+        # expected (they have none of their own; vime_reload_weights re-ties the head).
+        # Set after the engine exists: building it (re)configures vLLM's loggers.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
+            logging.ERROR
+        )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions for each prompt, in prompt order.

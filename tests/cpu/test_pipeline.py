@@ -1,0 +1,53 @@
+"""The Buildkite pipeline is well-formed and points at things that exist.
+
+Proves: ``.buildkite/pipeline.yml`` parses, every step has a label, a key and a
+command, keys are unique, GPU steps state their GPU count, every test file,
+test folder and script a command names exists in the repository, and together
+the CPU steps cover every file of ``tests/cpu`` (none silently left out of CI).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PIPELINE = ROOT / ".buildkite" / "pipeline.yml"
+
+
+def _steps() -> list[dict]:
+    return yaml.safe_load(PIPELINE.read_text())["steps"]
+
+
+def test_every_step_is_complete_and_unique() -> None:
+    steps = _steps()
+    assert steps
+    for step in steps:
+        assert step.get("label") and step.get("key") and step.get("command"), step
+        if step["agents"]["queue"] == "gpu":
+            assert int(step["agents"]["gpus"]) >= 1, step["key"]
+    keys = [s["key"] for s in steps]
+    assert len(keys) == len(set(keys))
+
+
+def test_referenced_paths_exist() -> None:
+    for step in _steps():
+        for path in re.findall(r"((?:tests|bench|scripts)/[\w./-]+)", step["command"]):
+            assert (ROOT / path).exists(), f"{step['key']}: {path} does not exist"
+
+
+def test_cpu_steps_cover_every_cpu_test_file() -> None:
+    covered_by_ignore, named = set(), set()
+    whole_folder = False
+    for step in _steps():
+        if step["agents"]["queue"] != "cpu":
+            continue
+        command = step["command"]
+        covered_by_ignore |= set(re.findall(r"--ignore=(tests/cpu/[\w.]+)", command))
+        named |= set(re.findall(r"(?<!=)(tests/cpu/test_[\w]+\.py)", command))
+        whole_folder |= bool(re.search(r"tests/cpu(\s|$)", command))
+    assert whole_folder, "no CPU step runs tests/cpu as a whole"
+    # Every file the whole-folder step skips must run in a step of its own.
+    assert covered_by_ignore <= named, covered_by_ignore - named

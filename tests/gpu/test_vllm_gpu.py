@@ -1,0 +1,121 @@
+"""The vLLM engine on a CUDA device: bf16 log-probs against the trainer, sleep/wake, NCCL sync.
+
+Proves: sampled-token log-probs of a bf16 Qwen3 served by vLLM match a
+transformers bf16 forward of the same weights within bf16 rounding; vLLM's sleep
+mode frees device memory and ``wake_up`` serves the same weights again; new
+weights delivered over the NCCL ``BroadcastGroup`` (training rank 0 -> engine)
+are what the engine serves afterwards. Skipped without CUDA (``conftest.py``);
+the NCCL test needs two devices (NCCL refuses two ranks on one device).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+# bf16 logits move in steps of ~2**-7 near 1; vLLM and transformers use different
+# attention and GEMM kernels, so a few roundings differ per token. 0.1 is ~12 such
+# steps: generous for kernels, far below a wrong weight (>> 1 on this model).
+LOGP_ATOL = 0.1
+
+
+def _checkpoint(path: Path) -> str:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _reference(folder: str, ids: list[int], start: int) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device="cuda"), use_cache=False).logits[0].float()
+    logp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
+    return logp.gather(-1, torch.tensor(ids[start:], device="cuda")[:, None])[:, 0].tolist()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    pytest.importorskip("vllm")
+    from vime.rollout.vllm_engine import VLLMEngine
+
+    folder = _checkpoint(tmp_path_factory.mktemp("ckpt") / "model")
+    return VLLMEngine(folder, dtype="bfloat16", gpu_memory_utilization=0.3), folder
+
+
+def test_sampled_log_probs_match_transformers_in_bf16(engine) -> None:
+    from vime.rollout.types import SamplingParams
+
+    llm, folder = engine
+    prompt = [5, 17, 42, 9]
+    done = llm.generate([prompt], SamplingParams(n=2, max_new_tokens=12, seed=3))[0]
+    for completion in done:
+        ids = prompt + completion.response_ids
+        ref = _reference(folder, ids, len(prompt))
+        diff = max(abs(a - b) for a, b in zip(completion.log_probs, ref, strict=True))
+        assert diff < LOGP_ATOL, diff
+
+
+def test_sleep_frees_memory_and_wake_serves_the_same_weights(engine) -> None:
+    llm, _ = engine
+    ids = [5, 17, 42, 9, 100, 200, 300]
+    before = llm.score(ids, 3, 1.0)
+    torch.cuda.synchronize()
+    free_awake, _ = torch.cuda.mem_get_info()
+    llm.sleep()
+    free_asleep, _ = torch.cuda.mem_get_info()
+    assert free_asleep > free_awake  # weights and KV cache left the device
+    llm.wake_up()
+    assert llm.score(ids, 3, 1.0) == before
+
+
+def _send(port: int, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    torch.cuda.set_device(1)
+    from vime.weights.transports import BroadcastGroup
+
+    group = BroadcastGroup("127.0.0.1", port, 0, 2, backend="nccl", timeout_s=120)
+    group.send([(name, t.cuda()) for name, t in bucket])
+    torch.cuda.synchronize()
+
+
+def test_nccl_broadcast_delivers_new_weights(engine) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a second device for the sending rank")
+    from safetensors.torch import load_file
+
+    from vime.weights.transports import BroadcastGroup, free_port, metadata_of
+
+    llm, folder = engine
+    weights = load_file(str(Path(folder) / "model.safetensors"))
+    bucket = [(name, (t.float() * 1.01).to(t.dtype)) for name, t in sorted(weights.items())]
+    port = free_port()
+    sender = mp.get_context("spawn").Process(target=_send, args=(port, bucket))
+    sender.start()
+    group = BroadcastGroup("127.0.0.1", port, 1, 2, backend="nccl", timeout_s=120)
+    received = group.receive(metadata_of(bucket))
+    sender.join(timeout=120)
+    assert sender.exitcode == 0
+    llm.update_weights([[(n, t.cpu()) for n, t in received]], version=7)
+    assert llm.weight_version == 7
+    for (name, sent), (_, got) in zip(bucket, received, strict=True):
+        assert torch.equal(sent, got.cpu()), name
