@@ -186,7 +186,6 @@ class VLLMEngine:
 
         import vllm
 
-
         with _PreservedGlobalRng():
             self._llm = vllm.LLM(
                 model=self.checkpoint,
