@@ -179,7 +179,13 @@ class RolloutManager:
         ]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        """The response as the reward sees it: the final stop token removed, every other
+        token kept, special ones included. Skipping special tokens would make them free
+        filler: a policy learns to pad wrong answers with them instead of stopping."""
+        ids = list(ids)
+        if ids and ids[-1] in self.stop_token_ids:
+            ids.pop()
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _to_batch(self, groups: list[_Group]) -> RolloutBatch:
         n = self.args.n_samples_per_prompt

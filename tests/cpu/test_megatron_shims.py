@@ -1,0 +1,181 @@
+"""The megatron backend's CPU shims, each exercised through the megatron-core call it covers.
+
+Proves: ``apply_cpu_shims`` is idempotent; RoPE's ``get_emb`` runs (``current_device``);
+``dist_checkpointing`` saves and loads (``torch.cuda.synchronize``); the RNG tracker
+seeds named CPU streams, forks them without disturbing the default stream, replays
+dropout exactly under megatron's activation recomputation, and a real ``GPTModel``
+with attention dropout trains reproducibly; the attention softmax builds its causal
+mask on the CPU; megatron's grad-norm and clip functions give torch's numbers. Each
+test fails (raises on a CUDA call, or gets different numbers) if its shim stops
+working. Skipped where CUDA exists: the shims are then off by design.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims are off with CUDA")
+
+from megatron.core import tensor_parallel  # noqa: E402
+
+from vime.backends.megatron import model as mmodel  # noqa: E402
+from vime.backends.megatron import shims  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_world() -> Iterator[None]:
+    """A one-process gloo world with megatron's parallel state (TP=1) around the module."""
+    os.environ["MASTER_PORT"] = str(_free_port())
+    mmodel.init_model_parallel(tp=1, seed=1234)
+    yield
+    mmodel.destroy_model_parallel()
+
+
+def test_apply_is_idempotent() -> None:
+    assert shims.apply_cpu_shims() is True
+    patched = (torch.cuda.current_device, torch.cuda.synchronize)
+    assert shims.apply_cpu_shims() is True
+    assert (torch.cuda.current_device, torch.cuda.synchronize) == patched
+    assert shims.shims_applied()
+
+
+def test_current_device_rotary_embedding() -> None:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    emb = rope.get_emb(5)  # moves inv_freq to torch.cuda.current_device()
+    assert emb.device.type == "cpu" and emb.shape == (5, 1, 1, 8)
+    assert torch.equal(emb[0], torch.zeros(1, 1, 8))
+
+
+def test_synchronize_dist_checkpointing(tmp_path) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    weight = torch.arange(6.0).reshape(2, 3)
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weight)}, str(tmp_path))
+    target = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3))}
+    loaded = dist_checkpointing.load(target, str(tmp_path))
+    assert torch.equal(loaded["w"], weight)
+
+
+def test_rng_tracker_named_streams() -> None:
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    outer = torch.get_rng_state()
+    with tracker.fork():
+        first = torch.rand(4)
+    with tracker.fork():
+        second = torch.rand(4)
+    # The default stream is untouched; the named one advances between forks.
+    assert torch.equal(torch.get_rng_state(), outer)
+    assert not torch.equal(first, second)
+    # Model-parallel stream = seed + 2718 + tp_rank, the same number megatron uses on GPU.
+    expected = torch.Generator().manual_seed(7 + 2718)
+    assert torch.equal(first, torch.rand(4, generator=expected))
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    with tracker.fork():
+        assert torch.equal(torch.rand(4), first)
+
+
+def test_rng_replayed_under_activation_recomputation() -> None:
+    weight = torch.randn(64, requires_grad=True)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return F.dropout(x * weight, p=0.5, training=True)
+
+    x = torch.randn(64, requires_grad=True)
+    tensor_parallel.model_parallel_cuda_manual_seed(11)
+    plain = block(x)
+    plain.sum().backward()
+    plain_grad = weight.grad.clone()
+    weight.grad = None
+    tensor_parallel.model_parallel_cuda_manual_seed(11)
+    # Recomputes ``block`` in backward after restoring the RNG states saved in forward.
+    recomputed = tensor_parallel.checkpoint(block, False, x)
+    recomputed.sum().backward()
+    assert torch.equal(recomputed, plain)
+    assert torch.equal(weight.grad, plain_grad)
+
+
+def test_gpt_model_with_attention_dropout_trains_reproducibly() -> None:
+    from tiny_models import tiny_qwen3_config
+
+    from vime.backends.megatron.convert import transformer_config_from_hf
+
+    config = tiny_qwen3_config(vocab_size=32)
+    config.attention_dropout = 0.5
+    tcfg, _ = transformer_config_from_hf(config)
+    torch.manual_seed(0)
+    model = mmodel.build_gpt_model(config, tcfg)
+    model.train()
+    ids = torch.randint(0, 32, (1, 12))
+    positions = torch.arange(12).unsqueeze(0)
+
+    def loss() -> torch.Tensor:
+        # attention_mask=None: the softmax builds its own causal mask.
+        return model(ids, positions, None).float().logsumexp(-1).mean()
+
+    tensor_parallel.model_parallel_cuda_manual_seed(3)
+    first = loss()
+    first.backward()
+    again = loss()
+    tensor_parallel.model_parallel_cuda_manual_seed(3)
+    replay = loss()
+    assert not torch.equal(first, again)  # dropout is live and drawn from the tracker
+    assert torch.equal(first, replay)
+
+
+def test_default_causal_mask_on_cpu() -> None:
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    softmax = FusedScaleMaskSoftmax(
+        input_in_fp16=False,
+        input_in_bf16=False,
+        attn_mask_type=AttnMaskType.causal,
+        scaled_masked_softmax_fusion=False,
+        mask_func=attention_mask_func,
+        softmax_in_fp32=True,
+        scale=None,
+    )
+    probs = softmax(torch.zeros(1, 1, 3, 3), None)
+    expected = torch.tensor([[1, 0, 0], [1 / 2, 1 / 2, 0], [1 / 3, 1 / 3, 1 / 3]])
+    torch.testing.assert_close(probs[0, 0], expected)
+
+
+def test_grad_norm_and_clip() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    # The optimizer module imported the functions by name: it must see the CPU ones.
+    assert moptimizer.get_grad_norm_fp32 is clip_grads.get_grad_norm_fp32
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    grads = [p.grad for p in params]
+    expected = float(torch.nn.utils.get_total_norm(grads))
+    norm = clip_grads.get_grad_norm_fp32(grads)
+    assert norm == pytest.approx(expected, rel=1e-6)
+    inf_norm = clip_grads.get_grad_norm_fp32(grads, norm_type=float("inf"))
+    assert inf_norm == pytest.approx(max(float(g.abs().max()) for g in grads))
+    before = [g.clone() for g in grads]
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=norm / 2, total_norm=norm)
+    for g, b in zip(grads, before, strict=True):
+        torch.testing.assert_close(g, b * (norm / 2) / (norm + 1e-6))
+    assert clip_grads.get_grad_norm_fp32(grads) == pytest.approx(norm / 2, rel=1e-5)

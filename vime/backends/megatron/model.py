@@ -1,0 +1,199 @@
+"""Build megatron-core's ``GPTModel`` for an HF config and forward the planner's packed rows.
+
+Where it fits: the megatron backend's actor builds its model here, loads the
+weights converted by ``convert.hf_to_megatron`` with ``load_megatron_state``, and
+forwards each micro-batch with ``packed_logits``, whose ``[1, L, V]`` logits go
+through the same ``vime.data.micro_batch.response_log_probs`` and ``vime.algo`` loss
+as the fsdp2 backend.
+
+Packed rows (see ``vime.data.micro_batch``): on the CPU there is no
+TransformerEngine, and megatron-core's local attention (``DotProductAttention``)
+has no THD packing, so the row is forwarded as one sequence under a
+block-diagonal causal mask, and RoPE follows the row's ``position_ids`` (restarting
+at 0 per sample) instead of megatron's 0..L-1 -- exactly what HF computes for each
+sample alone. The GPU path -- the same row through TransformerEngine's THD
+``PackedSeqParams``, where RoPE restarts per sample from ``cu_seqlens`` -- is not
+built yet; ``PackedRowGPTModel`` leaves RoPE alone when ``PackedSeqParams`` are given.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from vime import device as vime_device
+from vime.backends.megatron.convert import gpt_extra
+from vime.backends.megatron.shims import apply_cpu_shims
+from vime.data.micro_batch import PackedBatch
+
+
+def init_model_parallel(
+    *, tp: int = 1, pp: int = 1, seed: int = 1234, backend: str | None = None
+) -> None:
+    """Join (or start) the default process group, then megatron's TP/PP/DP groups and seeds.
+
+    The launcher sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a lone process with
+    none of them is rank 0 of 1. ``backend`` defaults to what the fsdp2 backend uses
+    (``vime.device``: NCCL beside gloo on GPU, with this rank's GPU made current; gloo
+    on CPU).
+
+    Seeding goes through ``model_parallel_cuda_manual_seed`` because attention enters
+    megatron's named RNG states (dropout) on every forward; on CPU the shims keep them
+    on the CPU generator.
+    """
+    apply_cpu_shims()
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        if backend is None:
+            backend = vime_device.process_group_backend(vime_device.local_device())
+        dist.init_process_group(backend=backend)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+    have = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    if have != (tp, pp):
+        raise RuntimeError(f"megatron parallel state is already (TP, PP) = {have}, not {(tp, pp)}")
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    """Undo ``init_model_parallel`` (megatron's groups, then the default group)."""
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class PackedRowGPTModel(GPTModel):
+    """``GPTModel`` whose rotary embedding follows ``position_ids``.
+
+    megatron-core's ``GPTModel`` ignores ``position_ids`` under RoPE and rotates
+    token p of the row by angle p. Attention scores depend only on position
+    differences, so inside one sample that is the same function, but not the same
+    floats: HF (and the rollout engine) rotate every sample from 0, and at long rows
+    the large angles lose precision. Indexing the rotary table by ``position_ids``
+    makes the CPU packed path compute what HF computes.
+
+    ``hf_vocab_size`` is the HF vocabulary; the model's own (padded) vocabulary is
+    larger, and logits beyond ``hf_vocab_size`` are padding.
+    """
+
+    def __init__(self, *args: Any, hf_vocab_size: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hf_vocab_size = hf_vocab_size
+
+    def _preprocess(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        decoder_input: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> tuple[Any, ...]:
+        out = super()._preprocess(
+            input_ids,
+            position_ids,
+            decoder_input=decoder_input,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
+        )
+        rotary = out[1]
+        # THD packing (TransformerEngine) and inference restart positions themselves.
+        if rotary is None or position_ids is None or packed_seq_params is not None:
+            return out
+        if inference_context is not None:
+            return out
+        # rotary: [S, 1, 1, D] for positions 0..S-1 -> [S, B, 1, D] at each token's position.
+        rotary = rotary[:, 0][position_ids.transpose(0, 1)]
+        return (out[0], rotary, *out[2:])
+
+
+def build_gpt_model(
+    hf_config: Any,
+    tcfg: Any,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    layer_spec: ModuleSpec | None = None,
+) -> PackedRowGPTModel:
+    """A randomly initialised ``GPTModel`` of ``hf_config``'s architecture on this rank.
+
+    ``tcfg`` comes from ``convert.transformer_config_from_hf``; megatron's parallel
+    state must be initialised with the same tensor-parallel size. ``layer_spec``
+    defaults to megatron-core's local spec (the one that runs without
+    TransformerEngine), with RMSNorm and QK-layernorm as ``tcfg`` says.
+    """
+    apply_cpu_shims()
+    extra = gpt_extra(hf_config, tp=tcfg.tensor_model_parallel_size)
+    if layer_spec is None:
+        layer_spec = get_gpt_layer_local_spec(
+            qk_layernorm=tcfg.qk_layernorm, normalization=tcfg.normalization
+        )
+    return PackedRowGPTModel(
+        tcfg,
+        layer_spec,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        hf_vocab_size=extra.vocab_size,
+        **extra.gpt_model_kwargs(),
+    )
+
+
+def load_megatron_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a converted state dict (``convert.hf_to_megatron``) into ``model``.
+
+    Strict about weights; megatron-core's ``_extra_state`` entries (TransformerEngine
+    FP8 metadata, empty here) are the only keys a converted state may omit.
+    """
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"megatron state does not match the model: missing {missing[:8]}, "
+            f"unexpected {result.unexpected_keys[:8]}"
+        )
+
+
+def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[B, 1, L, L]`` attention mask (True = masked) of a packed row.
+
+    A new sample starts wherever ``position_ids`` restarts at 0; each token sees
+    the tokens of its own sample up to itself. The padding run at the end of a row
+    is a sample of its own, so it affects nothing else.
+    """
+    length = position_ids.shape[-1]
+    segment = torch.cumsum((position_ids == 0).to(torch.int32), dim=-1)  # [B, L]
+    same = segment[:, :, None] == segment[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ~(same & causal).unsqueeze(1)
+
+
+def packed_logits(model: PackedRowGPTModel, packed: PackedBatch) -> torch.Tensor:
+    """Logits ``[1, L, V]`` over a packed row, V the HF vocabulary (padding dropped).
+
+    With tensor parallelism every rank returns the full vocabulary (gathered; the
+    backward splits the gradient back). Needs a model with ``post_process``. The mask
+    is ``L x L`` booleans per row: fine for CPU-sized rows, not for long GPU rows.
+    """
+    mask = block_causal_mask(packed.position_ids)
+    logits = model(packed.input_ids, packed.position_ids, mask)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[..., : model.hf_vocab_size]
