@@ -204,6 +204,8 @@ class Run:
             self.train_group.sync_object_store(engines, args.update_weight_buffer_size, version)
         elif self.transport == "broadcast":
             self.train_group.sync_broadcast(engines, args.update_weight_buffer_size, version)
+        elif self.transport == "cuda-ipc":
+            self.train_group.sync_cuda_ipc(engines, args.update_weight_buffer_size, version)
         else:
             folder = os.path.join(self.output_dir, "weight_sync")
             self.train_group.sync_disk(engines, folder, version)
@@ -281,13 +283,17 @@ def _task(name: str | None) -> Any:
 
 
 def _transport(args: Config, use_gpu: bool) -> str:
-    if args.weight_sync == "cuda-ipc":
-        raise ValueError(
-            "--weight-sync cuda-ipc is not implemented yet; use broadcast (NCCL) on GPU"
+    ipc_ok = use_gpu and args.colocate and args.rollout_num_gpus_per_engine == 1
+    if args.weight_sync == "cuda-ipc" and not ipc_ok:
+        raise ConfigError(
+            "--weight-sync cuda-ipc needs GPUs, --colocate and one GPU per engine "
+            "(each engine opens the handles of the training rank on its GPU)"
         )
     if args.weight_sync != "auto":
         return args.weight_sync
-    return "broadcast" if use_gpu else "object-store"
+    if use_gpu:
+        return "cuda-ipc" if ipc_ok else "broadcast"
+    return "object-store"
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -4,7 +4,8 @@ Proves: sampled-token log-probs of a bf16 Qwen3 served by vLLM match a
 transformers bf16 forward of the same weights within bf16 rounding; vLLM's sleep
 mode frees device memory and ``wake_up`` serves the same weights again; new
 weights delivered over the NCCL ``BroadcastGroup`` (training rank 0 -> engine)
-are what the engine serves afterwards. Skipped without CUDA (``conftest.py``);
+are what the engine serves afterwards; CUDA IPC handles of a bucket open in another
+process (the colocated transport) with the sender's exact values. Skipped without CUDA (``conftest.py``);
 the NCCL test needs two devices (NCCL refuses two ranks on one device).
 """
 
@@ -119,3 +120,26 @@ def test_nccl_broadcast_delivers_new_weights(engine) -> None:
     assert llm.weight_version == 7
     for (name, sent), (_, got) in zip(bucket, received, strict=True):
         assert torch.equal(sent, got.cpu()), name
+
+
+def _share(queue: mp.Queue, done: mp.Event) -> None:
+    from vime.weights.transports import share_cuda_bucket
+
+    bucket = [("w", torch.arange(12.0, device="cuda").view(3, 4)), ("b", torch.ones(5).cuda())]
+    queue.put(share_cuda_bucket(bucket))
+    done.wait(timeout=120)  # the memory must outlive the receiver's copy
+
+
+def test_cuda_ipc_handles_open_in_another_process() -> None:
+    from vime.weights.transports import open_cuda_bucket
+
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    sender = ctx.Process(target=_share, args=(queue, done))
+    sender.start()
+    bucket = dict(open_cuda_bucket(queue.get(timeout=120), torch.cuda.current_device()))
+    copies = {name: t.clone() for name, t in bucket.items()}
+    done.set()
+    sender.join(timeout=120)
+    assert torch.equal(copies["w"].cpu(), torch.arange(12.0).view(3, 4))
+    assert torch.equal(copies["b"].cpu(), torch.ones(5))

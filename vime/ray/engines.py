@@ -92,6 +92,15 @@ class EngineActor:
         # Partial loads keep the served version until finish_update names the new one.
         self.engine.update_weights([bucket], self.engine.weight_version)
 
+    def receive_cuda_ipc(self, handles: list[Any]) -> None:
+        import torch
+
+        from vime.weights.transports import open_cuda_bucket
+
+        bucket = open_cuda_bucket(handles, torch.cuda.current_device())
+        self.engine.update_weights([bucket], self.engine.weight_version)
+        torch.cuda.synchronize()  # copied out before the sender may free the memory
+
     def finish_update(self, version: int) -> int:
         self.engine.weight_version = version
         return version

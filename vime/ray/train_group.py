@@ -100,6 +100,17 @@ class TrainWorker:
         if self.rank == 0:
             ray.get([engine.finish_update.remote(version) for engine in engines])
 
+    def push_cuda_ipc(self, engines: list[Any], version: int, bucket_bytes: int) -> None:
+        """Colocated on GPU: rank r hands its own GPU's engine (engine r) IPC handles."""
+        from vime.weights.transports import share_cuda_bucket
+
+        engine = engines[self.rank] if self.rank < len(engines) else None
+        for bucket in self.actor.weight_buckets(bucket_bytes):
+            if engine is not None:
+                ray.get(engine.receive_cuda_ipc.remote(share_cuda_bucket(bucket)))
+        if engine is not None:
+            ray.get(engine.finish_update.remote(version))
+
 
 class RayTrainGroup:
     """All training ranks of the run; methods return rank 0's result."""
@@ -166,6 +177,11 @@ class RayTrainGroup:
 
     def sync_broadcast(self, engines: Any, bucket_bytes: int, version: int) -> None:
         self._all("broadcasting weights", "push_broadcast", engines.actors, bucket_bytes, version)
+
+    def sync_cuda_ipc(self, engines: Any, bucket_bytes: int, version: int) -> None:
+        self._all(
+            "sharing weights over CUDA IPC", "push_cuda_ipc", engines.actors, version, bucket_bytes
+        )
 
     def sync_disk(self, engines: Any, folder: str, version: int) -> None:
         self.export_hf(folder)

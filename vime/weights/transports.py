@@ -11,6 +11,9 @@ to every rollout engine after each optimizer update:
   rank 0) and the engines (ranks 1..E), separate from training's default
   group: gloo on CPU, NCCL on GPU. Each bucket goes as one flat tensor per dtype,
   announced by its metadata (names, dtypes, shapes) so receivers allocate exactly.
+- ``cuda-ipc``: with ``--colocate`` on GPU, a training rank and its engine share a
+  device; the rank hands the engine CUDA IPC handles of each bucket's tensors and
+  the engine copies from them in place (no host round trip, no second copy).
 - ``disk``: an HF safetensors folder the engines reload (slow, but needs
   nothing shared except a file system).
 
@@ -24,6 +27,7 @@ import datetime
 import os
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -130,3 +134,34 @@ def buckets_from_disk(folder: str) -> Iterator[Bucket]:
         raise FileNotFoundError(f"{folder}: no .safetensors files to load weights from")
     for name in files:
         yield list(load_file(os.path.join(folder, name)).items())
+
+
+IpcHandles = list[tuple[str, Any, tuple[Any, ...]]]
+
+# Index of ``storage_device`` in the arguments of torch's ``rebuild_cuda_tensor``.
+_STORAGE_DEVICE_ARG = 6
+
+
+def share_cuda_bucket(bucket: Bucket) -> IpcHandles:
+    """CUDA IPC handles of a bucket's tensors (the sender keeps the tensors alive until
+    every receiver has copied from them)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    handles: IpcHandles = []
+    for name, tensor in bucket:
+        if not tensor.is_cuda:
+            raise ValueError(f"{name}: cuda-ipc sync needs CUDA tensors, got {tensor.device}")
+        rebuild, args = reduce_tensor(tensor.detach().contiguous())
+        handles.append((name, rebuild, args))
+    return handles
+
+
+def open_cuda_bucket(handles: IpcHandles, device_index: int) -> Bucket:
+    """Tensors viewing the sender's memory, opened on this process's ``device_index``
+    (the same physical GPU: each process may number it differently)."""
+    bucket: Bucket = []
+    for name, rebuild, args in handles:
+        args = list(args)
+        args[_STORAGE_DEVICE_ARG] = device_index
+        bucket.append((name, rebuild(*args)))
+    return bucket
