@@ -5,8 +5,9 @@ transformers bf16 forward of the same weights within bf16 rounding; vLLM's sleep
 mode frees device memory and ``wake_up`` serves the same weights again; new
 weights delivered over the NCCL ``BroadcastGroup`` (training rank 0 -> engine)
 are what the engine serves afterwards; CUDA IPC handles of a bucket open in another
-process (the colocated transport) with the sender's exact values. Skipped without CUDA (``conftest.py``);
-the NCCL test needs two devices (NCCL refuses two ranks on one device).
+process (the colocated transport) with the sender's exact values. Skipped without
+CUDA (``conftest.py``); the NCCL test needs two devices (NCCL refuses two ranks on
+one device).
 """
 
 from __future__ import annotations

@@ -1,0 +1,408 @@
+"""The megatron backend's actor against the fsdp2 actor (CPU, fp32, gloo, tiny random Qwen3).
+
+Proves: the same HF weights and the same planned rollout give, in ``MegatronActor``
+and ``FSDP2Actor``, the same per-token log-probs (actor and reference, 1e-5), the
+same loss, the same gradient norm (1e-5 relative) and, after AdamW steps, the same
+weights parameter by parameter in HF names -- on a second rollout whose KL term is
+against a reference that by then differs from the actor, with the entropy term on,
+and through ``train`` (two optimizer steps per rollout: old log-probs recomputed).
+Checked for Qwen3 at TP=1/DP=1, TP=2 (two gloo processes) and DP=2, and for a tied
+Llama at TP=2. Also: the weight source yields exactly the HF weights it loaded, in
+HF-named buckets under the budget, and the HF export reloads in transformers; save ->
+new processes -> load -> continue equals the uninterrupted run bitwise, and the
+same checkpoint (HF layout) loads at TP=1 and continues the run; a non-finite
+gradient norm skips the step; a checkpoint of another backend and pipeline
+parallelism are rejected; ``vime-train --train-backend megatron`` runs 2 rollouts
+end to end (TP=2, the default rollout engine, weight sync checked by the trainer's
+log-prob probe).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from tiny_models import save_tiny, tiny_llama_config, tiny_qwen3_config
+
+pytest.importorskip("megatron.core")
+
+from vime.algo.metrics import MetricAccumulator
+from vime.config import parse_args
+from vime.data.batch import RolloutBatch, schedule
+
+VOCAB = 64  # padded to 128 (TP=1) / 256 (TP=2) rows inside megatron
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    # Two KV heads so TP=2 splits the attention (one KV group per rank).
+    config = tiny_qwen3_config(VOCAB)
+    config.num_key_value_heads = 2
+    return save_tiny(tmp_path_factory.mktemp("tiny_qwen3_kv2"), config, seed=0)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    # Tied embeddings: megatron's word embeddings double as the (vocab-parallel) output layer.
+    config = tiny_llama_config(VOCAB, tie=True)
+    config.num_key_value_heads = 2
+    return save_tiny(tmp_path_factory.mktemp("tiny_llama_tied_kv2"), config, seed=1)
+
+
+def make_batch(rollout_id: int, n: int = 8) -> RolloutBatch:
+    rng = random.Random(rollout_id)
+    tokens, prompts, masks = [], [], []
+    for _ in range(n):
+        p, r = rng.randint(2, 6), rng.randint(1, 9)
+        tokens.append([rng.randrange(VOCAB) for _ in range(p + r)])
+        prompts.append(p)
+        masks.append([1 if rng.random() > 0.15 else 0 for _ in range(r)])
+    adv = [rng.gauss(0, 1) for _ in range(n)]
+    return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
+
+
+def make_args(hf: str, backend: str, world: int, tp: int = 1, *extra: str):
+    backend_flags = ["--megatron-tensor-parallel-size", str(tp)] if backend == "megatron" else []
+    return parse_args(
+        [
+            "--train-backend",
+            backend,
+            *backend_flags,
+            "--hf-checkpoint",
+            hf,
+            "--actor-num-gpus-per-node",
+            str(world),
+            "--rollout-batch-size",
+            "4",
+            "--n-samples-per-prompt",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--lr",
+            "1e-3",
+            "--weight-decay",
+            "0.1",
+            "--entropy-coef",
+            "0.01",
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.1",
+            "--kl-loss-type",
+            "k3",
+            "--micro-batch-size",
+            "2",
+            *extra,
+        ]
+    )
+
+
+def _actor(backend: str):
+    if backend == "megatron":
+        from vime.backends.megatron.actor import MegatronActor
+
+        return MegatronActor()
+    from vime.backends.fsdp2.actor import FSDP2Actor
+
+    return FSDP2Actor()
+
+
+def _worker(rank: int, world: int, port: int, backend: str, scenario: str, args, out: str):
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    actor = _actor(backend)
+    start = actor.init(args)
+    result = SCENARIOS[scenario](actor, args, start)
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    if backend == "megatron":
+        from vime.backends.megatron.model import destroy_model_parallel
+
+        destroy_model_parallel()
+    else:
+        dist.destroy_process_group()
+
+
+def run(backend: str, scenario: str, args, world: int, tmp_path: Path):
+    out = str(tmp_path / f"{backend}_{scenario}_{world}_{random.random()}.pt")
+    mp.spawn(_worker, args=(world, _free_port(), backend, scenario, args, out), nprocs=world)
+    return torch.load(out, weights_only=False)
+
+
+def _dp(actor) -> int:
+    return getattr(actor, "dp_size", actor.world)
+
+
+def _sched(args, rollout_id: int, dp: int):
+    return schedule(
+        make_batch(rollout_id),
+        global_batch_size=args.global_batch_size,
+        dp_size=dp,
+        micro_batch_size=args.micro_batch_size,
+        rollout_id=rollout_id,
+    )
+
+
+def _full_weights(actor) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for bucket in actor.weight_buckets(1 << 16) for n, t in bucket}
+
+
+def _grad_norm(actor) -> float:
+    if hasattr(actor, "grad_norm"):
+        return float(actor.grad_norm())
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm([p.grad for p in actor.params if p.grad is not None])
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
+def _all_log_probs(actor, sched, which: str) -> dict[int, torch.Tensor]:
+    import torch.distributed as dist
+
+    own = actor.compute_log_probs(sched, which)
+    gathered = [None] * actor.world
+    dist.all_gather_object(gathered, own)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+def scenario_align(actor, args, start):
+    """Rollout 0 through ``train`` (2 steps); on rollout 1, step 0 by hand: log-probs,
+    loss, grad norm; then the optimizer step; weights in HF names."""
+    import torch.distributed as dist
+
+    dp = _dp(actor)
+    metrics0 = actor.train(_sched(args, 0, dp))
+    sched = _sched(args, 1, dp)
+    ref = actor.compute_log_probs(sched, "ref")
+    old = actor.compute_log_probs(sched, "actor")
+    all_ref = _all_log_probs(actor, sched, "ref")
+    all_old = _all_log_probs(actor, sched, "actor")
+    metrics = MetricAccumulator()
+    loss = torch.tensor(actor.backward_step(sched, 0, metrics, ref=ref, old=old))
+    # Sum the DP shares once (every TP rank of a DP group holds the same share).
+    loss /= getattr(actor, "tp", 1)
+    dist.all_reduce(loss)
+    names, packed = metrics.to_tensor()
+    dist.all_reduce(packed)
+    grad_norm = _grad_norm(actor)
+    actor._optimizer_step(len(sched.plan.steps[0].sample_indices))
+    return {
+        "metrics0": metrics0,
+        "ref": all_ref,
+        "old": all_old,
+        "loss": float(loss),
+        "micro": MetricAccumulator.from_tensor(names, packed).means(),
+        "grad_norm": grad_norm,
+        "weights": _full_weights(actor),
+    }
+
+
+def scenario_train(actor, args, start, count: int = 2):
+    rollouts = range(start, start + count)
+    metrics = [actor.train(_sched(args, rid, _dp(actor))) for rid in rollouts]
+    return {"weights": _full_weights(actor), "metrics": metrics, "start": start}
+
+
+def scenario_train4(actor, args, start):
+    return scenario_train(actor, args, start, count=4)
+
+
+def scenario_save(actor, args, start):
+    result = scenario_train(actor, args, start)
+    actor.save(start + 1)
+    return result
+
+
+def scenario_export(actor, args, start):
+    initial = _full_weights(actor)
+    actor.train(_sched(args, 0, _dp(actor)))
+    actor.export_hf(args.save_hf)
+    buckets = [[(n, tuple(t.shape)) for n, t in b] for b in actor.weight_buckets(40_000)]
+    return {"initial": initial, "weights": _full_weights(actor), "buckets": buckets}
+
+
+def scenario_nan(actor, args, start):
+    before = _full_weights(actor)
+    batch = make_batch(0)
+    batch.advantages[0] = float("nan")
+    sched = schedule(batch, global_batch_size=8, dp_size=_dp(actor), micro_batch_size=2)
+    metrics = actor.train(sched)
+    return {"before": before, "after": _full_weights(actor), "metrics": metrics}
+
+
+SCENARIOS = {
+    f.__name__.removeprefix("scenario_"): f
+    for f in (
+        scenario_align,
+        scenario_train,
+        scenario_train4,
+        scenario_save,
+        scenario_export,
+        scenario_nan,
+    )
+}
+
+
+def _assert_aligned(fsdp: dict, mega: dict) -> None:
+    for key in ("train/loss", "train/grad_norm", "train/kl_loss", "train/entropy"):
+        assert mega["metrics0"][key] == pytest.approx(fsdp["metrics0"][key], rel=1e-5, abs=1e-7)
+    for which in ("ref", "old"):
+        assert sorted(mega[which]) == sorted(fsdp[which]) == list(range(8))
+        for i, logp in fsdp[which].items():
+            torch.testing.assert_close(mega[which][i], logp, rtol=0, atol=1e-5)
+    # The reference really differs from the actor by now: the KL term is not trivially 0.
+    assert max((fsdp["ref"][i] - fsdp["old"][i]).abs().max() for i in fsdp["ref"]) > 1e-4
+    assert fsdp["micro"]["kl_loss"] > 0
+    assert mega["loss"] == pytest.approx(fsdp["loss"], rel=1e-5, abs=1e-7)
+    for key in ("kl_loss", "entropy", "pg_loss"):
+        assert mega["micro"][key] == pytest.approx(fsdp["micro"][key], rel=1e-5, abs=1e-7)
+    assert fsdp["grad_norm"] > 1e-3
+    assert mega["grad_norm"] == pytest.approx(fsdp["grad_norm"], rel=1e-5)
+    assert sorted(mega["weights"]) == sorted(fsdp["weights"])
+    # Three AdamW steps: 1/sqrt(v) turns 1e-7 gradient differences on tiny-gradient
+    # weights into ~1e-6 of a 1e-3 step.
+    for name, weight in fsdp["weights"].items():
+        torch.testing.assert_close(mega["weights"][name], weight, rtol=1e-4, atol=1e-5)
+
+
+_FSDP_REFERENCES: dict[str, dict] = {}
+
+
+def _fsdp_reference(model_dir: str, tmp_path: Path) -> dict:
+    """The fsdp2 run (one rank) of ``scenario_align``, computed once per model."""
+    if model_dir not in _FSDP_REFERENCES:
+        args = make_args(model_dir, "fsdp2", 1)
+        _FSDP_REFERENCES[model_dir] = run("fsdp2", "align", args, 1, tmp_path)
+    return _FSDP_REFERENCES[model_dir]
+
+
+@pytest.mark.parametrize(
+    ("arch", "world", "tp"),
+    [("qwen3", 1, 1), ("qwen3", 2, 2), ("qwen3", 2, 1), ("llama_tied", 2, 2)],
+    ids=["qwen3-tp1", "qwen3-tp2", "qwen3-dp2", "llama_tied-tp2"],
+)
+def test_megatron_matches_fsdp2(hf_dir, llama_dir, tmp_path, arch, world, tp) -> None:
+    model_dir = hf_dir if arch == "qwen3" else llama_dir
+    reference = _fsdp_reference(model_dir, tmp_path)
+    mega = run("megatron", "align", make_args(model_dir, "megatron", world, tp), world, tmp_path)
+    _assert_aligned(reference, mega)
+
+
+def test_hf_export_and_buckets(hf_dir, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "export")
+    args = make_args(hf_dir, "megatron", 2, 2, "--save-hf", out)
+    got = run("megatron", "export", args, 2, tmp_path)
+    initial = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    expected = {n: p.detach() for n, p in initial.named_parameters()}
+    assert sorted(got["initial"]) == sorted(expected)
+    for name, weight in expected.items():  # load -> TP shards -> weight source is exact
+        assert torch.equal(got["initial"][name], weight), name
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), got["weights"][name]), name
+        assert not torch.equal(param.detach(), expected[name]), f"{name} never trained"
+    # Buckets respect the byte budget (a tensor larger than it travels alone).
+    for bucket in got["buckets"]:
+        sizes = [4 * torch.Size(shape).numel() for _, shape in bucket]
+        assert len(bucket) == 1 or sum(sizes) <= 40_000
+
+
+def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    common = ("--num-rollout", "4", "--lr-decay-style", "cosine", "--lr-warmup-samples", "8")
+
+    def args(*extra: str):
+        return make_args(hf_dir, "megatron", 2, 2, *common, *extra)
+
+    whole = run("megatron", "train4", args(), 2, tmp_path)
+    first = run("megatron", "save", args("--save", ckpt), 2, tmp_path)
+    resumed = run("megatron", "train", args("--load", ckpt), 2, tmp_path)
+    assert resumed["start"] == 2
+    assert first["metrics"] == whole["metrics"][:2]
+    assert resumed["metrics"] == whole["metrics"][2:]
+    for name, weight in whole["weights"].items():
+        assert torch.equal(resumed["weights"][name], weight), name
+    # The checkpoint is in HF layout: one process at TP=1 re-splits it and continues the
+    # same run (up to fp32 summation order).
+    single = run(
+        "megatron",
+        "train",
+        make_args(hf_dir, "megatron", 1, 1, *common, "--load", ckpt),
+        1,
+        tmp_path,
+    )
+    assert single["start"] == 2
+    for name, weight in whole["weights"].items():
+        torch.testing.assert_close(single["weights"][name], weight, rtol=1e-4, atol=1e-5)
+    for key in ("train/loss", "train/grad_norm", "train/kl_loss"):
+        assert single["metrics"][1][key] == pytest.approx(whole["metrics"][3][key], rel=1e-4)
+
+
+def test_non_finite_gradient_skips_step(hf_dir, tmp_path) -> None:
+    got = run("megatron", "nan", make_args(hf_dir, "megatron", 2, 2), 2, tmp_path)
+    assert got["metrics"]["train/skipped_steps"] == 1.0
+    for name, weight in got["before"].items():
+        assert torch.equal(got["after"][name], weight), name
+
+
+def test_checkpoint_of_another_backend_rejected(tmp_path) -> None:
+    from vime import checkpoint
+    from vime.backends.megatron.actor import MegatronActor
+
+    checkpoint.begin_save(tmp_path, 3, is_rank0=True)
+    checkpoint.commit_save(tmp_path, 3, backend="fsdp2", world_size=1, extra={"counters": {}})
+    with pytest.raises(checkpoint.CheckpointError, match="'fsdp2' backend"):
+        MegatronActor()._load(str(tmp_path))
+
+
+def test_pipeline_parallel_rejected(hf_dir) -> None:
+    from vime.backends.megatron.actor import _check_flags
+
+    args = make_args(hf_dir, "megatron", 2, 1, "--megatron-pipeline-parallel-size", "2")
+    with pytest.raises(ValueError, match="pipeline-parallel"):
+        _check_flags(args)
+
+
+def test_vime_train_end_to_end(tmp_path) -> None:
+    """``vime-train --train-backend megatron`` at TP=2: 2 rollouts of the embedded default,
+    weights synced to the rollout engine (which then scores like the trainer), a
+    checkpoint and the HF export."""
+    script = Path(sys.executable).with_name("vime-train")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    flags = ["--train-backend", "megatron", "--megatron-tensor-parallel-size", "2"]
+    flags += ["--actor-num-gpus-per-node", "2", "--rollout-batch-size", "8"]
+    flags += ["--n-samples-per-prompt", "4", "--max-tokens-per-gpu", "256", "--seed", "7"]
+    flags += ["--num-rollout", "2", "--output-dir", "out", "--save", "ckpt"]
+    flags += ["--save-interval", "2"]
+    result = subprocess.run(
+        [*command, *flags], capture_output=True, text=True, timeout=900, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines]
+    assert len(metrics) == 2
+    for m in metrics:
+        assert m["weights/probe_logprob_abs_diff"] < 1e-5
+        assert m["train/skipped_steps"] == 0.0 and m["train/grad_norm"] > 0
+    assert (tmp_path / "ckpt" / "iter_0000001" / "vime_checkpoint.json").exists()
+    assert (tmp_path / "out" / "model" / "config.json").exists()
