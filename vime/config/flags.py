@@ -421,7 +421,7 @@ EMBEDDED_DEFAULTS = {
     "n_samples_per_prompt": 8,
     "rollout_max_prompt_len": 64,
     "rollout_max_response_len": 8,
-    "num_rollout": 300,
+    "num_rollout": 400,
     "num_epoch": 1000,
     "lr": 3e-4,
     "use_dynamic_batch_size": True,
