@@ -280,8 +280,11 @@ def rng_state() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    from vime import device as vime_device
+
+    cuda = vime_device.cuda_rng_states()
+    if cuda is not None:
+        state["cuda"] = cuda
     return state
 
 
@@ -296,5 +299,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     key = np.asarray(np_state["state"]["key"], dtype=np.uint32)
     np.random.set_state({**np_state, "state": {**np_state["state"], "key": key}})
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    from vime import device as vime_device
+
+    vime_device.set_cuda_rng_states(state.get("cuda"))

@@ -50,6 +50,18 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def cuda_rng_states() -> list[torch.Tensor] | None:
+    """Every CUDA generator's state, or None where CUDA has not been initialized here
+    (reading them would initialize CUDA in a process that never used it)."""
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def set_cuda_rng_states(states: list[torch.Tensor] | None) -> None:
+    """Restore ``cuda_rng_states``; a no-op for None or on a machine without CUDA."""
+    if states is not None and cuda_available():
+        torch.cuda.set_rng_state_all(states)
+
+
 def has_flash_attn() -> bool:
     """Whether transformers can use flash-attention 2 here (a CUDA device and a usable
     flash-attn package, as transformers itself checks it)."""

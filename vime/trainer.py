@@ -86,9 +86,9 @@ class Run:
         self.dropped_prompts = dropped
         self.scorer = build_reward_scorer(args, self.task.reward if self.task else None)
 
-        import torch
+        from vime import device as vime_device
 
-        use_gpu = torch.cuda.is_available()
+        use_gpu = vime_device.cuda_available()
         layout = layout_of(args, use_gpu)
         start_ray(args.ray_address, layout.num_bundles)
         self.placement = reserve(layout)

@@ -13,26 +13,14 @@ export loads in transformers with the same logits.
 
 from __future__ import annotations
 
-import os
-import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from actor_harness import VOCAB, actor_args, make_batch, spawn
 from tiny_models import save_tiny, tiny_llama_config, tiny_qwen3_config
 
-from vime.config import parse_args
 from vime.data.batch import RolloutBatch, schedule
-
-VOCAB = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,71 +34,16 @@ def llama_dir(tmp_path_factory) -> str:
     return save_tiny(path, tiny_llama_config(VOCAB, tie=True), seed=1)
 
 
-def make_batch(rollout_id: int, n: int = 8, nan: bool = False) -> RolloutBatch:
-    rng = random.Random(rollout_id)
-    tokens, prompts, masks = [], [], []
-    for _ in range(n):
-        p, r = rng.randint(2, 6), rng.randint(1, 9)
-        tokens.append([rng.randrange(VOCAB) for _ in range(p + r)])
-        prompts.append(p)
-        masks.append([1 if rng.random() > 0.15 else 0 for _ in range(r)])
-    adv = [rng.gauss(0, 1) for _ in range(n)]
-    if nan:
-        adv[0] = float("nan")
-    return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
-
-
-def make_args(hf: str, world: int, *extra: str):
-    return parse_args(
-        [
-            "--hf-checkpoint",
-            hf,
-            "--actor-num-gpus-per-node",
-            str(world),
-            "--rollout-batch-size",
-            "4",
-            "--n-samples-per-prompt",
-            "2",
-            "--global-batch-size",
-            "4",
-            "--lr",
-            "1e-3",
-            "--entropy-coef",
-            "0.01",
-            "--use-kl-loss",
-            "--kl-loss-coef",
-            "0.1",
-            "--kl-loss-type",
-            "k3",
-            "--micro-batch-size",
-            "2",
-            *extra,
-        ]
-    )
-
-
-def _worker(rank: int, world: int, port: int, scenario: str, args, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def _scenario_job(rank: int, world: int, scenario: str, args) -> dict:
     from vime.backends.fsdp2.actor import FSDP2Actor
 
     actor = FSDP2Actor()
     start = actor.init(args)
-    result = SCENARIOS[scenario](actor, args, start)
-    if rank == 0:
-        torch.save(result, out)
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
+    return SCENARIOS[scenario](actor, args, start)
 
 
 def run(scenario: str, args, world: int, tmp_path: Path):
-    out = str(tmp_path / f"{scenario}_{world}_{random.random()}.pt")
-    mp.spawn(_worker, args=(world, _free_port(), scenario, args, out), nprocs=world)
-    return torch.load(out, weights_only=False)
+    return spawn(_scenario_job, world, tmp_path, scenario, args)
 
 
 def _full_weights(actor) -> dict[str, torch.Tensor]:
@@ -232,7 +165,7 @@ def test_logprobs_gradient_and_reference_swap(arch, hf_dir, llama_dir, tmp_path)
     from transformers import AutoModelForCausalLM
 
     hf_dir = hf_dir if arch == "qwen3" else llama_dir
-    args = make_args(hf_dir, 2)
+    args = actor_args(hf_dir, 2)
     got = run("logprobs_and_grad", args, 2, tmp_path)
     assert got["restored"], "reference swap did not restore the actor bit for bit"
     assert got["first"]["ppo_kl"] == 0.0 and got["first"]["clipfrac"] == 0.0
@@ -257,8 +190,8 @@ def test_logprobs_gradient_and_reference_swap(arch, hf_dir, llama_dir, tmp_path)
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_dp1_equals_dp2(hf_dir, tmp_path, mode) -> None:
-    one = run("train", make_args(hf_dir, 1, "--loss-agg-mode", mode), 1, tmp_path)
-    two = run("train", make_args(hf_dir, 2, "--loss-agg-mode", mode), 2, tmp_path)
+    one = run("train", actor_args(hf_dir, 1, "--loss-agg-mode", mode), 1, tmp_path)
+    two = run("train", actor_args(hf_dir, 2, "--loss-agg-mode", mode), 2, tmp_path)
     assert one["metrics"][1]["train/kl_loss"] > 0, "reference never differed from the actor"
     # Same gradient up to fp32 summation order; AdamW divides by sqrt(v), which turns a
     # 1e-7 gradient difference on a tiny-gradient weight into ~1e-6 of a 1e-3 step.
@@ -270,7 +203,7 @@ def test_dp1_equals_dp2(hf_dir, tmp_path, mode) -> None:
 
 
 def test_non_finite_gradient_skips_step(hf_dir, tmp_path) -> None:
-    got = run("nan", make_args(hf_dir, 2), 2, tmp_path)
+    got = run("nan", actor_args(hf_dir, 2), 2, tmp_path)
     assert got["metrics"]["train/skipped_steps"] == 1.0
     for name, w in got["before"].items():
         assert torch.equal(got["after"][name], w), name
@@ -279,11 +212,11 @@ def test_non_finite_gradient_skips_step(hf_dir, tmp_path) -> None:
 def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
     ckpt = str(tmp_path / "ckpt")
     common = ("--num-rollout", "4", "--lr-decay-style", "cosine", "--lr-warmup-samples", "8")
-    whole = run("train4", make_args(hf_dir, 2, *common), 2, tmp_path)
-    first = run("save", make_args(hf_dir, 2, *common, "--save", ckpt), 2, tmp_path)
+    whole = run("train4", actor_args(hf_dir, 2, *common), 2, tmp_path)
+    first = run("save", actor_args(hf_dir, 2, *common, "--save", ckpt), 2, tmp_path)
     # New processes: load the checkpoint of rollout 1 and run rollouts 2 and 3.
     resumed = run(
-        "train", make_args(hf_dir, 2, *common, "--load", ckpt, "--save", ckpt), 2, tmp_path
+        "train", actor_args(hf_dir, 2, *common, "--load", ckpt, "--save", ckpt), 2, tmp_path
     )
     assert resumed["start"] == 2
     assert first["metrics"] == whole["metrics"][:2]
@@ -296,9 +229,9 @@ def test_never_stepped_optimizer_round_trips(hf_dir, tmp_path) -> None:
     """A checkpoint taken before any update resumes as if no save had happened
     (DCP would otherwise fabricate an AdamW step and shift its bias correction)."""
     ckpt = str(tmp_path / "ckpt0")
-    run("save_unstepped", make_args(hf_dir, 2, "--save", ckpt), 2, tmp_path)
-    resumed = run("train", make_args(hf_dir, 2, "--load", ckpt), 2, tmp_path)
-    fresh = run("train_from1", make_args(hf_dir, 2), 2, tmp_path)
+    run("save_unstepped", actor_args(hf_dir, 2, "--save", ckpt), 2, tmp_path)
+    resumed = run("train", actor_args(hf_dir, 2, "--load", ckpt), 2, tmp_path)
+    fresh = run("train_from1", actor_args(hf_dir, 2), 2, tmp_path)
     assert resumed["start"] == 1
     assert resumed["metrics"] == fresh["metrics"]
     for name, weight in fresh["weights"].items():
@@ -309,7 +242,7 @@ def test_hf_export_same_logits(hf_dir, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "export")
-    got = run("export", make_args(hf_dir, 2, "--save-hf", out), 2, tmp_path)
+    got = run("export", actor_args(hf_dir, 2, "--save-hf", out), 2, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), got["weights"][name]), name

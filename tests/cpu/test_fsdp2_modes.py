@@ -16,23 +16,19 @@ resharded optimizer state.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_fsdp2_actor import _free_port, make_batch
+from actor_harness import VOCAB, actor_args, make_batch, spawn
 from tiny_models import save_tiny, tiny_qwen3_config
 from torch.distributed.tensor import Replicate, Shard
 from torch.multiprocessing.spawn import ProcessException
 
-from vime.config import parse_args
 from vime.data.batch import schedule
 
-VOCAB = 64
 MODES = {
     "full": (),
     "hybrid": ("--fsdp-mode", "hybrid", "--fsdp-shard-size", "1"),
@@ -49,44 +45,6 @@ WEIGHT_TOL = dict(rtol=1e-4, atol=1e-5)
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
     return save_tiny(tmp_path_factory.mktemp("tiny_qwen3"), tiny_qwen3_config(VOCAB), seed=0)
-
-
-def make_args(hf: str, world: int, *extra: str):
-    """8 samples a rollout in 2 optimizer steps of 4, micro-batches of 2, KL + entropy on."""
-    flags = {
-        "--hf-checkpoint": hf,
-        "--prompt-data": "builtin:reverse",
-        "--actor-num-gpus-per-node": world,
-        "--rollout-batch-size": 4,
-        "--n-samples-per-prompt": 2,
-        "--global-batch-size": 4,
-        "--micro-batch-size": 2,
-        "--lr": 1e-3,
-        "--entropy-coef": 0.01,
-        "--kl-loss-coef": 0.1,
-        "--kl-loss-type": "k3",
-    }
-    return parse_args([*(str(x) for kv in flags.items() for x in kv), "--use-kl-loss", *extra])
-
-
-def _worker(rank: int, world: int, port: int, job: str, args: tuple, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    result = JOBS[job](rank, world, *args, out=out)
-    if rank == 0:
-        torch.save(result, out)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run(job: str, world: int, tmp_path: Path, *args):
-    out = str(tmp_path / f"{job}_{world}_{random.random()}.pt")
-    mp.spawn(_worker, args=(world, _free_port(), job, args, out), nprocs=world)
-    return torch.load(out, weights_only=False)
 
 
 def _actor(args):
@@ -146,11 +104,11 @@ def _step0_grads_and_decoder_calls(actor, sched) -> tuple[dict[str, torch.Tensor
     return grads, calls[0] / (len(blocks) * micro_batches)
 
 
-def job_modes(rank: int, world: int, hf: str, out: str) -> dict:
+def job_modes(rank: int, world: int, hf: str) -> dict:
     results: dict = {}
     actors = {}
     for mode, extra in MODES.items():
-        actor, _ = _actor(make_args(hf, world, *extra))
+        actor, _ = _actor(actor_args(hf, world, *extra))
         grads, calls = _step0_grads_and_decoder_calls(actor, _sched(0, world))
         actor.train(_sched(0, world))
         results[mode] = {
@@ -161,7 +119,7 @@ def job_modes(rank: int, world: int, hf: str, out: str) -> dict:
             "weights": _full_weights(actor),
         }
         actors[mode] = actor
-    results["sleep"] = _sleep_then_continue(actors["full"], make_args(hf, world), world)
+    results["sleep"] = _sleep_then_continue(actors["full"], actor_args(hf, world), world)
     return results
 
 
@@ -219,7 +177,7 @@ def _sigkill_on_entering(func) -> None:
 
 
 def job_save_then_killed(rank: int, world: int, hf: str, ckpt: str, out: str) -> None:
-    actor, _ = _actor(make_args(hf, world, "--save", ckpt))
+    actor, _ = _actor(actor_args(hf, world, "--save", ckpt))
     actor.train(_sched(0, world))
     actor.save(0)
     saved = _full_weights(actor)
@@ -235,19 +193,16 @@ def job_save_then_killed(rank: int, world: int, hf: str, ckpt: str, out: str) ->
     raise AssertionError("rank 0 should have been killed inside save(1)")
 
 
-def job_resume(rank: int, world: int, hf: str, load: str, out: str) -> dict:
-    actor, start = _actor(make_args(hf, world, "--load", load))
+def job_resume(rank: int, world: int, hf: str, load: str) -> dict:
+    actor, start = _actor(actor_args(hf, world, "--load", load))
     loaded = _full_weights(actor)
     actor.train(_sched(start, world))
     return {"start": start, "loaded": loaded, "after": _full_weights(actor)}
 
 
-JOBS = {f.__name__.removeprefix("job_"): f for f in (job_modes, job_save_then_killed, job_resume)}
-
-
 @pytest.fixture(scope="module")
 def modes(hf_dir, tmp_path_factory) -> dict:
-    return run("modes", 2, tmp_path_factory.mktemp("modes"), hf_dir)
+    return spawn(job_modes, 2, tmp_path_factory.mktemp("modes"), hf_dir)
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "no_shard", "grad_ckpt", "cpu_offload"])
@@ -310,11 +265,7 @@ def killed_save(hf_dir, tmp_path_factory) -> tuple[Path, dict]:
     # Usually "process 0 terminated with signal SIGKILL"; under load the parent may first see
     # rank 1 fail on its dead peer instead. The folder checks in the tests pin down the rest.
     with pytest.raises(ProcessException):
-        mp.spawn(
-            _worker,
-            args=(2, _free_port(), "save_then_killed", (hf_dir, str(ckpt)), str(out)),
-            nprocs=2,
-        )
+        spawn(job_save_then_killed, 2, tmp, hf_dir, str(ckpt), str(out))
     return ckpt, torch.load(out, weights_only=False)
 
 
@@ -329,7 +280,7 @@ def test_killed_save_leaves_previous_checkpoint_loadable(hf_dir, killed_save, tm
     assert any(partial.glob("*.distcp")), "the kill came before the shards were written"
     assert not checkpoint.iteration_dir(ckpt, 1).exists()
     assert checkpoint.latest(ckpt) == 0
-    got = run("resume", 2, tmp_path, hf_dir, str(ckpt))
+    got = spawn(job_resume, 2, tmp_path, hf_dir, str(ckpt))
     assert got["start"] == 1
     for name, weight in before["saved"].items():
         assert torch.equal(got["loaded"][name], weight), name
@@ -340,7 +291,7 @@ def test_killed_save_leaves_previous_checkpoint_loadable(hf_dir, killed_save, tm
 def test_checkpoint_of_two_ranks_loads_on_one(hf_dir, killed_save, tmp_path, capfd) -> None:
     """DCP reshards weights (exactly) and AdamW state onto 1 rank; RNG re-seeding is said."""
     ckpt, before = killed_save
-    got = run("resume", 1, tmp_path, hf_dir, str(ckpt))
+    got = spawn(job_resume, 1, tmp_path, hf_dir, str(ckpt))
     assert got["start"] == 1
     for name, weight in before["saved"].items():
         assert torch.equal(got["loaded"][name], weight), name

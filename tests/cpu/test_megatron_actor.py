@@ -20,31 +20,21 @@ log-prob probe).
 from __future__ import annotations
 
 import json
-import os
-import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from actor_harness import VOCAB, actor_args, make_batch, spawn
 from tiny_models import save_tiny, tiny_llama_config, tiny_qwen3_config
 
 pytest.importorskip("megatron.core")
 
 from vime.algo.metrics import MetricAccumulator
-from vime.config import parse_args
-from vime.data.batch import RolloutBatch, schedule
+from vime.data.batch import schedule
 
-VOCAB = 64  # padded to 128 (TP=1) / 256 (TP=2) rows inside megatron
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# VOCAB (64) is padded to 128 (TP=1) / 256 (TP=2) rows inside megatron.
 
 
 @pytest.fixture(scope="module")
@@ -63,53 +53,6 @@ def llama_dir(tmp_path_factory) -> str:
     return save_tiny(tmp_path_factory.mktemp("tiny_llama_tied_kv2"), config, seed=1)
 
 
-def make_batch(rollout_id: int, n: int = 8) -> RolloutBatch:
-    rng = random.Random(rollout_id)
-    tokens, prompts, masks = [], [], []
-    for _ in range(n):
-        p, r = rng.randint(2, 6), rng.randint(1, 9)
-        tokens.append([rng.randrange(VOCAB) for _ in range(p + r)])
-        prompts.append(p)
-        masks.append([1 if rng.random() > 0.15 else 0 for _ in range(r)])
-    adv = [rng.gauss(0, 1) for _ in range(n)]
-    return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
-
-
-def make_args(hf: str, backend: str, world: int, tp: int = 1, *extra: str):
-    backend_flags = ["--megatron-tensor-parallel-size", str(tp)] if backend == "megatron" else []
-    return parse_args(
-        [
-            "--train-backend",
-            backend,
-            *backend_flags,
-            "--hf-checkpoint",
-            hf,
-            "--actor-num-gpus-per-node",
-            str(world),
-            "--rollout-batch-size",
-            "4",
-            "--n-samples-per-prompt",
-            "2",
-            "--global-batch-size",
-            "4",
-            "--lr",
-            "1e-3",
-            "--weight-decay",
-            "0.1",
-            "--entropy-coef",
-            "0.01",
-            "--use-kl-loss",
-            "--kl-loss-coef",
-            "0.1",
-            "--kl-loss-type",
-            "k3",
-            "--micro-batch-size",
-            "2",
-            *extra,
-        ]
-    )
-
-
 def _actor(backend: str):
     if backend == "megatron":
         from vime.backends.megatron.actor import MegatronActor
@@ -120,31 +63,14 @@ def _actor(backend: str):
     return FSDP2Actor()
 
 
-def _worker(rank: int, world: int, port: int, backend: str, scenario: str, args, out: str):
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
+def _scenario_job(rank: int, world: int, backend: str, scenario: str, args) -> dict:
     actor = _actor(backend)
     start = actor.init(args)
-    result = SCENARIOS[scenario](actor, args, start)
-    if rank == 0:
-        torch.save(result, out)
-    dist.barrier()
-    if backend == "megatron":
-        from vime.backends.megatron.model import destroy_model_parallel
-
-        destroy_model_parallel()
-    else:
-        dist.destroy_process_group()
+    return SCENARIOS[scenario](actor, args, start)
 
 
 def run(backend: str, scenario: str, args, world: int, tmp_path: Path):
-    out = str(tmp_path / f"{backend}_{scenario}_{world}_{random.random()}.pt")
-    mp.spawn(_worker, args=(world, _free_port(), backend, scenario, args, out), nprocs=world)
-    return torch.load(out, weights_only=False)
+    return spawn(_scenario_job, world, tmp_path, backend, scenario, args)
 
 
 def _dp(actor) -> int:
@@ -166,12 +92,7 @@ def _full_weights(actor) -> dict[str, torch.Tensor]:
 
 
 def _grad_norm(actor) -> float:
-    if hasattr(actor, "grad_norm"):
-        return float(actor.grad_norm())
-    from torch.distributed.tensor import DTensor
-
-    norm = torch.nn.utils.get_total_norm([p.grad for p in actor.params if p.grad is not None])
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return float(actor.grad_norm())
 
 
 def _all_log_probs(actor, sched, which: str) -> dict[int, torch.Tensor]:
@@ -289,7 +210,7 @@ _FSDP_REFERENCES: dict[str, dict] = {}
 def _fsdp_reference(model_dir: str, tmp_path: Path) -> dict:
     """The fsdp2 run (one rank) of ``scenario_align``, computed once per model."""
     if model_dir not in _FSDP_REFERENCES:
-        args = make_args(model_dir, "fsdp2", 1)
+        args = actor_args(model_dir, 1, backend="fsdp2")
         _FSDP_REFERENCES[model_dir] = run("fsdp2", "align", args, 1, tmp_path)
     return _FSDP_REFERENCES[model_dir]
 
@@ -302,7 +223,13 @@ def _fsdp_reference(model_dir: str, tmp_path: Path) -> dict:
 def test_megatron_matches_fsdp2(hf_dir, llama_dir, tmp_path, arch, world, tp) -> None:
     model_dir = hf_dir if arch == "qwen3" else llama_dir
     reference = _fsdp_reference(model_dir, tmp_path)
-    mega = run("megatron", "align", make_args(model_dir, "megatron", world, tp), world, tmp_path)
+    mega = run(
+        "megatron",
+        "align",
+        actor_args(model_dir, world, backend="megatron", tp=tp),
+        world,
+        tmp_path,
+    )
     _assert_aligned(reference, mega)
 
 
@@ -310,7 +237,7 @@ def test_hf_export_and_buckets(hf_dir, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "export")
-    args = make_args(hf_dir, "megatron", 2, 2, "--save-hf", out)
+    args = actor_args(hf_dir, 2, "--save-hf", out, backend="megatron", tp=2)
     got = run("megatron", "export", args, 2, tmp_path)
     initial = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     expected = {n: p.detach() for n, p in initial.named_parameters()}
@@ -332,7 +259,7 @@ def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
     common = ("--num-rollout", "4", "--lr-decay-style", "cosine", "--lr-warmup-samples", "8")
 
     def args(*extra: str):
-        return make_args(hf_dir, "megatron", 2, 2, *common, *extra)
+        return actor_args(hf_dir, 2, *common, *extra, backend="megatron", tp=2)
 
     whole = run("megatron", "train4", args(), 2, tmp_path)
     first = run("megatron", "save", args("--save", ckpt), 2, tmp_path)
@@ -347,7 +274,7 @@ def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
     single = run(
         "megatron",
         "train",
-        make_args(hf_dir, "megatron", 1, 1, *common, "--load", ckpt),
+        actor_args(hf_dir, 1, *common, "--load", ckpt, backend="megatron"),
         1,
         tmp_path,
     )
@@ -359,7 +286,7 @@ def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
 
 
 def test_non_finite_gradient_skips_step(hf_dir, tmp_path) -> None:
-    got = run("megatron", "nan", make_args(hf_dir, "megatron", 2, 2), 2, tmp_path)
+    got = run("megatron", "nan", actor_args(hf_dir, 2, backend="megatron", tp=2), 2, tmp_path)
     assert got["metrics"]["train/skipped_steps"] == 1.0
     for name, weight in got["before"].items():
         assert torch.equal(got["after"][name], weight), name
@@ -378,7 +305,7 @@ def test_checkpoint_of_another_backend_rejected(tmp_path) -> None:
 def test_pipeline_parallel_rejected(hf_dir) -> None:
     from vime.backends.megatron.actor import _check_flags
 
-    args = make_args(hf_dir, "megatron", 2, 1, "--megatron-pipeline-parallel-size", "2")
+    args = actor_args(hf_dir, 2, "--megatron-pipeline-parallel-size", "2", backend="megatron")
     with pytest.raises(ValueError, match="pipeline-parallel"):
         _check_flags(args)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from vime import device as vime_device
 from vime.backends import registry
 from vime.ray.placement import Placement, wait_all
 
@@ -24,9 +25,8 @@ from vime.ray.placement import Placement, wait_all
 class TrainWorker:
     """One training rank (wrapped by ``ray.remote`` below)."""
 
-    def __init__(self, backend: str, rank: int, world: int, master: tuple[str, int] | None):
+    def __init__(self, backend: str, rank: int, world: int) -> None:
         self.rank, self.world, self.backend = rank, world, backend
-        self.master = master
         self.actor = None
         self._group = None
 
@@ -46,7 +46,7 @@ class TrainWorker:
             WORLD_SIZE=str(self.world),
             LOCAL_RANK=str(self.rank % max(1, args.actor_num_gpus_per_node)),
         )
-        if torch.cuda.is_available():
+        if vime_device.cuda_available():
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU: it is device 0 here.
             os.environ["LOCAL_RANK"] = "0"
         self.actor = registry.actor_class(self.backend)()
@@ -124,7 +124,7 @@ class RayTrainGroup:
                 num_cpus=1,
                 num_gpus=(0.8 if layout.colocate else 1) if layout.use_gpu else 0,
                 scheduling_strategy=placement.strategy(rank),
-            ).remote(backend, rank, self.world, None)
+            ).remote(backend, rank, self.world)
             for rank in range(self.world)
         ]
 

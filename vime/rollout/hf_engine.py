@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from vime import device as vime_device
 from vime.rollout.types import Completion, SamplingParams
 
 
@@ -338,7 +339,7 @@ class HFEngine:
         """
         if self.device.type == "cuda" and not self._asleep:
             self.model.to("cpu")
-            torch.cuda.empty_cache()
+            vime_device.empty_cache()
             self._asleep = True
 
     def wake_up(self) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from vime import device as vime_device
 from vime.rollout.types import Completion, SamplingParams
 
 _WORKER_EXTENSION = f"{__name__}.VimeWorkerExtension"
@@ -75,9 +76,7 @@ class VimeWorkerExtension:
 
 
 def _on_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    return vime_device.cuda_available()
 
 
 def _prepare_cpu_env() -> None:
@@ -128,7 +127,7 @@ class _PreservedGlobalRng:
         import torch
 
         self._states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-        self._cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self._cuda = vime_device.cuda_rng_states()
 
     def __exit__(self, *exc: object) -> None:
         import numpy as np
@@ -138,8 +137,7 @@ class _PreservedGlobalRng:
         random.setstate(py_state)
         np.random.set_state(np_state)
         torch.set_rng_state(torch_state)
-        if self._cuda is not None:
-            torch.cuda.set_rng_state_all(self._cuda)
+        vime_device.set_cuda_rng_states(self._cuda)
 
 
 class VLLMEngine:

@@ -26,7 +26,6 @@ saved with and is re-split on load.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,20 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from vime import checkpoint
 from vime import device as vime_device
-from vime.algo import load_function, policy_loss
-from vime.algo.metrics import MetricAccumulator
-from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
-from vime.backends.base import TrainActor
 from vime.backends.megatron import convert
 from vime.backends.megatron import model as mmodel
 from vime.backends.megatron.shims import apply_cpu_shims
-from vime.backends.optim import LRSchedule, optimizer_step, param_groups
-from vime.data.batch import TrainSchedule, pad_rows
-from vime.data.micro_batch import response_log_probs
+from vime.backends.policy_actor import PolicyTrainActor
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
-from vime.weights.hf_export import save_hf_folder
 
 PerSample = dict[int, torch.Tensor]
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -85,8 +76,10 @@ def _check_flags(args: Any) -> None:
         raise ValueError("megatron backend: --megatron-recompute-granularity is not supported yet")
 
 
-class MegatronActor(TrainActor):
+class MegatronActor(PolicyTrainActor):
     """megatron-core ``GPTModel``, tensor parallel inside, data parallel by gradient sum."""
+
+    backend_name = "megatron"
 
     def init(self, args: Any) -> int:
         self.args = args
@@ -97,6 +90,7 @@ class MegatronActor(TrainActor):
 
         apply_cpu_shims()
         self.tp = int(args.megatron_tensor_parallel_size)
+        self.loss_replicas = self.tp  # every TP rank of a replica computes the same loss
         mmodel.init_model_parallel(tp=self.tp, pp=1, seed=args.seed)
         from megatron.core import parallel_state as ps
 
@@ -133,145 +127,23 @@ class MegatronActor(TrainActor):
             for n, p in self.named_params
             if self.tp > 1 and ("q_layernorm" in n or "k_layernorm" in n)
         ]
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.named_params, args.weight_decay),
-            lr=args.lr,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps,
-        )
-        samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
-        self.lr_schedule = LRSchedule(
-            lr=args.lr,
-            min_lr=args.min_lr,
-            decay_style=args.lr_decay_style,
-            warmup_samples=args.lr_warmup_samples,
-            total_samples=(args.num_rollout or 1) * samples_per_rollout,
-        )
-        loss_fn = policy_loss
-        if args.custom_loss_function_path:
-            loss_fn = load_function(args.custom_loss_function_path, expected=policy_loss)
-        self.loss_config = LossConfig.from_args(args, loss_fn)
-        self.samples_consumed = 0
-        self.optimizer_steps = 0
-        self.skipped_steps = 0
-        # The reference model is the initial weights, kept as host copies of this rank's shards.
-        self.ref_shards = self._local_copies() if args.use_kl_loss else None
-        if args.load and checkpoint.latest(args.load) is not None:
-            return self._load(args.load) + 1
-        return 0
+        self._setup_training(self.named_params)
+        return self._start_rollout()
 
     @property
     def dp_rank(self) -> int:
         return self._dp_rank
 
-    # ----- forward -------------------------------------------------------------------------
+    # ----- backend hooks -------------------------------------------------------------------
 
-    def _local_copies(self) -> list[torch.Tensor]:
-        return [p.detach().to("cpu", copy=True) for p in self.params]
+    def _logits(self, packed: Any) -> torch.Tensor:
+        return mmodel.packed_logits(self.model, packed)
 
-    def _swap_in(self, tensors: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for param, value in zip(self.params, tensors, strict=True):
-                param.copy_(value)
+    def _local_tensors(self) -> list[torch.Tensor]:
+        return self.params
 
-    def _forward(self, batch: Any, indices: tuple[int, ...]) -> tuple[Any, torch.Tensor, Any]:
-        packed = batch.pack(indices).to(self.device)
-        logits = mmodel.packed_logits(self.model, packed)
-        logp, entropy = response_log_probs(
-            logits.float(), packed, temperature=self.args.rollout_temperature, with_entropy=True
-        )
-        return packed, logp, entropy
-
-    @torch.no_grad()
-    def compute_log_probs(self, schedule: TrainSchedule, which: str) -> PerSample:
-        """This DP rank's response log-probs under ``which`` ("actor" or "ref"), per sample
-        index, at the micro-batch geometry ``train`` uses (every TP rank returns the same)."""
-        if which not in ("actor", "ref"):
-            raise ValueError(f"which must be 'actor' or 'ref', got {which!r}")
-        if which == "ref":
-            if self.ref_shards is None:
-                raise ValueError("no reference model: KL loss is off")
-            actor_copies = self._local_copies()
-            self._swap_in(self.ref_shards)
-        out: PerSample = {}
-        try:
-            for micro_batches in schedule.plan.for_rank(self.dp_rank):
-                for indices in micro_batches:
-                    packed, logp, _ = self._forward(schedule.batch, indices)
-                    for row, i in enumerate(indices):
-                        out[i] = logp[row, : int(packed.response_lengths[row])].cpu()
-        finally:
-            if which == "ref":
-                self._swap_in(actor_copies)
-        return out
-
-    # ----- train ---------------------------------------------------------------------------
-
-    def train(self, schedule: TrainSchedule) -> dict[str, float]:
-        """Every optimizer step of one rollout; metrics reduced over micro-batches and ranks."""
-        plan = schedule.plan
-        ref = self.compute_log_probs(schedule, "ref") if self.loss_config.use_kl else None
-        # One update per rollout: pi_old is the current policy, so no recomputation (ratio == 1).
-        old = self.compute_log_probs(schedule, "actor") if plan.num_steps > 1 else None
-        metrics = MetricAccumulator()
-        skipped = 0
-        for step_index in range(plan.num_steps):
-            step_loss = self.backward_step(schedule, step_index, metrics, ref=ref, old=old)
-            result = self._optimizer_step(len(plan.steps[step_index].sample_indices))
-            skipped += int(result.skipped)
-            # Every TP rank of a DP group computed the same loss share: count it once.
-            # Grad norm and lr are global, so each rank contributes 1/world of them.
-            share = 1.0 / self.world
-            metrics.add("loss", step_loss / self.tp, share)
-            metrics.add("grad_norm", share * (0.0 if result.skipped else result.grad_norm), share)
-            metrics.add("lr", share * result.lr, share)
-        names, packed_metrics = metrics.to_tensor()
-        # Per-micro-batch metrics are (sum, weight) pairs: the TP copies cancel in the mean.
-        dist.all_reduce(packed_metrics)
-        means = MetricAccumulator.from_tensor(names, packed_metrics).means()
-        out = {f"train/{name}": value for name, value in means.items()}
-        out["train/skipped_steps"] = float(skipped)
-        return out
-
-    def backward_step(
-        self,
-        schedule: TrainSchedule,
-        step_index: int,
-        metrics: MetricAccumulator,
-        *,
-        ref: PerSample | None = None,
-        old: PerSample | None = None,
-    ) -> float:
-        """Forward + backward every micro-batch of one optimizer step on this rank.
-
-        Leaves the step's full gradient (summed over DP ranks) in ``.grad``; returns
-        this DP rank's share of the step loss.
-        """
-        batch = schedule.batch
-        step = schedule.plan.steps[step_index]
-        norm = Normalizers(step.num_tokens, step.num_samples, step.max_response_len)
-        step_loss = 0.0
-        for indices in step.for_rank(self.dp_rank):
-            packed, logp, entropy = self._forward(batch, indices)
-            width = logp.shape[1]
-            loss, micro_metrics = micro_batch_loss(
-                logp,
-                packed.loss_mask,
-                batch.advantages_of(indices).to(self.device),
-                norm,
-                self.loss_config,
-                old_logp=_gather(old, indices, width, self.device),
-                ref_logp=_gather(ref, indices, width, self.device),
-                rollout_logp=_to(batch.rollout_log_probs_of(indices, width), self.device),
-                entropy=entropy,
-            )
-            loss.backward()
-            step_loss += float(loss.detach())
-            metrics.merge(micro_metrics)
-        self._reduce_grads()
-        return step_loss
-
-    def _reduce_grads(self) -> None:
+    def _finish_grads(self) -> None:
+        """Sum the step's gradient over the DP group, and the partial QK-norm grads over TP."""
         for param in self.params:
             if param.grad is None:  # e.g. a rank whose share was empty: still take part
                 param.grad = torch.zeros_like(param)
@@ -292,21 +164,6 @@ class MegatronActor(TrainActor):
         if self.tp > 1:
             dist.all_reduce(total, group=self.tp_group)
         return total.sqrt().float()
-
-    def _optimizer_step(self, num_samples: int) -> Any:
-        norm = self.grad_norm()
-        lr = self.lr_schedule(self.samples_consumed + num_samples)
-        result = optimizer_step(
-            self.optimizer, self.params, norm, clip_grad=self.args.clip_grad, lr=lr
-        )
-        self.samples_consumed += num_samples
-        if result.skipped:
-            self.skipped_steps += 1
-            if self.rank == 0:
-                print(f"vime: non-finite grad norm {result.grad_norm}; step skipped", flush=True)
-        else:
-            self.optimizer_steps += 1
-        return result
 
     # ----- weights out ---------------------------------------------------------------------
 
@@ -348,32 +205,12 @@ class MegatronActor(TrainActor):
                     lambda h=hf_name, m=materialize: m(h),
                 )
 
-    def _hf_dtype(self) -> torch.dtype:
-        dtype = getattr(self.hf_config, "dtype", None) or torch.float32
-        return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
     def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named weights in the checkpoint's dtype, one bucket materialized at a time.
 
         A collective over the TP group: every rank must iterate it to the end.
         """
         return iter_buckets(self._hf_entries(self._hf_dtype(), lambda _n, p: p), bucket_bytes)
-
-    def export_hf(self, path: str) -> None:
-        buckets = self.weight_buckets(self.args.update_weight_buffer_size)
-        if self.rank != 0:
-            for _ in buckets:  # take part in the TP gathers; rank 0 writes
-                pass
-            return
-        tokenizer = None
-        if self.args.hf_checkpoint:
-            from transformers import AutoTokenizer
-
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(self.args.hf_checkpoint)
-            except (OSError, ValueError):
-                tokenizer = None  # a checkpoint without a tokenizer exports weights only
-        save_hf_folder(path, buckets, config=self.hf_config, tokenizer=tokenizer)
 
     # ----- checkpoints ---------------------------------------------------------------------
 
@@ -394,43 +231,12 @@ class MegatronActor(TrainActor):
             state["adam_step"] = self.optimizer.state[self.params[0]]["step"].clone()
         return state
 
-    def save(self, rollout_id: int, extra: dict[str, Any] | None = None) -> None:
-        save_dir = self.args.save
-        partial = checkpoint.begin_save(save_dir, rollout_id, is_rank0=self.rank == 0)
-        dist.barrier()
-        dcp.save(self._state(), checkpoint_id=str(partial))
-        torch.save(checkpoint.rng_state(), os.path.join(partial, f"rng_rank{self.rank}.pt"))
-        dist.barrier()
-        if self.rank == 0:
-            counters = {
-                "samples_consumed": self.samples_consumed,
-                "optimizer_steps": self.optimizer_steps,
-                "skipped_steps": self.skipped_steps,
-            }
-            checkpoint.commit_save(
-                save_dir,
-                rollout_id,
-                backend="megatron",
-                world_size=self.world,
-                extra={"counters": counters, "tp": self.tp, **(extra or {})},
-                keep_last=self.args.keep_last_checkpoints,
-            )
-        dist.barrier()
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        return {"tp": self.tp}
 
     def _load(self, load_dir: str) -> int:
         """Restore the newest checkpoint under ``load_dir``; return its rollout id."""
-        rollout_id = checkpoint.latest(load_dir)
-        folder = checkpoint.iteration_dir(load_dir, rollout_id)
-        meta = checkpoint.verify(folder)
-        if meta.get("backend") != "megatron":
-            raise checkpoint.CheckpointError(
-                f"{folder} was saved by the {meta.get('backend')!r} backend; the megatron "
-                "backend loads only its own checkpoints (start from an HF export instead)"
-            )
-        counters = meta["extra"]["counters"]
-        self.samples_consumed = counters["samples_consumed"]
-        self.optimizer_steps = counters["optimizer_steps"]
-        self.skipped_steps = counters["skipped_steps"]
+        rollout_id, folder, meta = self._open_checkpoint(load_dir)
         if self.optimizer_steps > 0:  # templates for the moments (any values, right shapes)
             for p in self.params:
                 self.optimizer.state[p] = {m: torch.zeros_like(p) for m in ADAM_MOMENTS}
@@ -450,24 +256,11 @@ class MegatronActor(TrainActor):
                     **{m: moments[m][name].clone() for m in ADAM_MOMENTS},
                 }
         if int(meta["world_size"]) == self.world and meta["extra"].get("tp") == self.tp:
-            rng = torch.load(os.path.join(folder, f"rng_rank{self.rank}.pt"), weights_only=False)
-            checkpoint.set_rng_state(rng)
+            self._restore_rng(folder)
         elif self.rank == 0:
             print(
                 f"vime: {folder} was saved with another layout; weights and optimizer re-split, "
                 "RNG streams left as seeded",
                 flush=True,
             )
-        self.loaded_extra = meta["extra"]
         return rollout_id
-
-
-def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device)
-
-
-def _gather(
-    values: PerSample | None, indices: tuple[int, ...], width: int, device: torch.device
-) -> torch.Tensor | None:
-    """``[B, width]`` of this rank's per-sample log-probs, zero-padded; None passes through."""
-    return None if values is None else pad_rows([values[i] for i in indices], width).to(device)

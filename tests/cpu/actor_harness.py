@@ -1,0 +1,97 @@
+"""What the actor tests share: real gloo process groups, their flags and their batches.
+
+``spawn`` runs a job on N fresh processes joined in one gloo group and returns
+rank 0's result; ``actor_args`` is the one flag set the fsdp2 and megatron actor
+tests train with (KL, entropy and weight decay on, so every term of the loss and
+the update is exercised); ``make_batch`` is a seeded random rollout.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from vime.config import parse_args
+from vime.data.batch import RolloutBatch
+
+VOCAB = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_batch(rollout_id: int, n: int = 8, nan: bool = False) -> RolloutBatch:
+    """``n`` random samples (prompts 2-6, responses 1-9 tokens, ~15 % masked), seeded by id."""
+    rng = random.Random(rollout_id)
+    tokens, prompts, masks = [], [], []
+    for _ in range(n):
+        p, r = rng.randint(2, 6), rng.randint(1, 9)
+        tokens.append([rng.randrange(VOCAB) for _ in range(p + r)])
+        prompts.append(p)
+        masks.append([1 if rng.random() > 0.15 else 0 for _ in range(r)])
+    adv = [rng.gauss(0, 1) for _ in range(n)]
+    if nan:
+        adv[0] = float("nan")
+    return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
+
+
+def actor_args(hf: str, world: int, *extra: str, backend: str = "fsdp2", tp: int = 1) -> Any:
+    """8 samples a rollout, global batch 4, micro-batches of 2, KL + entropy + decay on."""
+    backend_flags = ["--megatron-tensor-parallel-size", str(tp)] if backend == "megatron" else []
+    flags = {
+        "--train-backend": backend,
+        "--hf-checkpoint": hf,
+        "--actor-num-gpus-per-node": world,
+        "--rollout-batch-size": 4,
+        "--n-samples-per-prompt": 2,
+        "--global-batch-size": 4,
+        "--micro-batch-size": 2,
+        "--lr": 1e-3,
+        "--weight-decay": 0.1,
+        "--entropy-coef": 0.01,
+        "--kl-loss-coef": 0.1,
+        "--kl-loss-type": "k3",
+    }
+    flat = [str(x) for kv in flags.items() for x in kv]
+    return parse_args([*flat, *backend_flags, "--use-kl-loss", *extra])
+
+
+def _entry(rank: int, world: int, port: int, job: Callable, job_args: tuple, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    result = job(rank, world, *job_args)
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without running C++ destructors: tearing gloo down while the peer that hosts
+    # the store exits can abort the process ("terminate called without an active
+    # exception"), which would fail a test whose work had already succeeded.
+    os._exit(0)
+
+
+def spawn(job: Callable, world: int, tmp_path: Path, *job_args: Any) -> Any:
+    """Run ``job(rank, world, *job_args)`` on ``world`` gloo processes; rank 0's result.
+
+    ``job`` must be a module-level function (it is pickled by reference) and must
+    initialize the default process group (every actor's ``init`` does).
+    """
+    out = str(tmp_path / f"{job.__name__}_{world}_{random.random()}.pt")
+    mp.spawn(_entry, args=(world, free_port(), job, job_args, out), nprocs=world)
+    return torch.load(out, weights_only=False)

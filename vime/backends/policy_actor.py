@@ -1,0 +1,325 @@
+"""``PolicyTrainActor``: the backend-neutral half of a training rank.
+
+Where it fits: ``FSDP2Actor`` and ``MegatronActor`` both subclass it. Everything
+that must be the same in both backends for their runs to be one run lives here,
+once: the optimizer and LR schedule set-up, the reference-model swap, the
+log-prob pass at training geometry, the micro-batch loop over
+``vime.algo.objective.micro_batch_loss``, the optimizer-step chokepoint with its
+counters, the metric reduction, the HF export and the checkpoint commit.
+
+A backend supplies only what differs: how a packed row becomes logits
+(``_logits``), which tensors hold this rank's share of the weights
+(``_local_tensors``), how the global gradient norm is computed (``_grad_norm``),
+what must happen to gradients after backward (``_finish_grads``: megatron sums
+data-parallel and partial tensor-parallel grads there; FSDP2 has already
+reduce-scattered), its HF-named weight source (``weight_buckets``) and its
+checkpoint state (``_state`` / ``_load``).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vime import checkpoint
+from vime.algo import load_function, policy_loss
+from vime.algo.metrics import MetricAccumulator
+from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
+from vime.backends.base import TrainActor
+from vime.backends.optim import LRSchedule, StepResult, optimizer_step, param_groups
+from vime.data.batch import TrainSchedule, pad_rows
+from vime.data.micro_batch import response_log_probs
+from vime.weights.hf_export import save_hf_folder
+
+PerSample = dict[int, torch.Tensor]
+
+
+class PolicyTrainActor(TrainActor):
+    """A training rank that optimizes ``vime.algo``'s loss on the planner's micro-batches.
+
+    Subclasses set ``args``, ``rank``, ``world``, ``device``, ``params`` and
+    ``hf_config`` in ``init`` and then call ``_setup_training``.
+    """
+
+    backend_name: str = ""  # recorded in checkpoints; a load checks it
+    # Ranks of one data-parallel replica that compute the same loss share (tensor parallel).
+    loss_replicas: int = 1
+
+    # ----- backend hooks -------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _logits(self, packed: Any) -> torch.Tensor:
+        """``[B, T, vocab]`` logits of a packed micro-batch (full vocabulary)."""
+
+    @abc.abstractmethod
+    def _local_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold this rank's share of ``params``, in ``params`` order."""
+
+    @abc.abstractmethod
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the step's gradient (the same number on every rank)."""
+
+    def _finish_grads(self) -> None:
+        """Complete the step's gradient after every micro-batch's backward."""
+
+    @abc.abstractmethod
+    def _state(self) -> dict[str, Any]:
+        """What ``torch.distributed.checkpoint`` saves and loads for this rank."""
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        """Backend facts recorded in the checkpoint metadata (e.g. the TP size)."""
+        return {}
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas (the planner's rank)."""
+        return self.rank
+
+    # ----- set-up --------------------------------------------------------------------------
+
+    def _setup_training(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        """AdamW (Megatron's no-decay groups), the LR schedule, the loss and the counters."""
+        args = self.args
+        self.optimizer = torch.optim.AdamW(
+            param_groups(named_params, args.weight_decay),
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+        )
+        samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
+        self.lr_schedule = LRSchedule(
+            lr=args.lr,
+            min_lr=args.min_lr,
+            decay_style=args.lr_decay_style,
+            warmup_samples=args.lr_warmup_samples,
+            total_samples=(args.num_rollout or 1) * samples_per_rollout,
+        )
+        loss_fn = policy_loss
+        if args.custom_loss_function_path:
+            loss_fn = load_function(args.custom_loss_function_path, expected=policy_loss)
+        self.loss_config = LossConfig.from_args(args, loss_fn)
+        self.samples_consumed = 0
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        # The reference model is the initial weights, kept as host copies of this rank's shards.
+        self.ref_shards = self._host_copies() if args.use_kl_loss else None
+
+    def _start_rollout(self) -> int:
+        """The rollout id to start from: 0, or the one after ``--load``'s newest checkpoint."""
+        if self.args.load and checkpoint.latest(self.args.load) is not None:
+            return self._load(self.args.load) + 1
+        return 0
+
+    # ----- forward -------------------------------------------------------------------------
+
+    def _host_copies(self) -> list[torch.Tensor]:
+        return [t.detach().to("cpu", copy=True) for t in self._local_tensors()]
+
+    def _swap_in(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for local, value in zip(self._local_tensors(), tensors, strict=True):
+                local.copy_(value)
+
+    def _forward(self, batch: Any, indices: tuple[int, ...]) -> tuple[Any, torch.Tensor, Any]:
+        packed = batch.pack(indices).to(self.device)
+        logp, entropy = response_log_probs(
+            self._logits(packed).float(),
+            packed,
+            temperature=self.args.rollout_temperature,
+            with_entropy=True,
+        )
+        return packed, logp, entropy
+
+    @torch.no_grad()
+    def compute_log_probs(self, schedule: TrainSchedule, which: str) -> PerSample:
+        """This DP rank's response log-probs under ``which`` ("actor" or "ref"), per sample
+        index, at the micro-batch geometry ``train`` uses."""
+        if which not in ("actor", "ref"):
+            raise ValueError(f"which must be 'actor' or 'ref', got {which!r}")
+        if which == "ref":
+            if self.ref_shards is None:
+                raise ValueError("no reference model: KL loss is off")
+            actor_copies = self._host_copies()
+            self._swap_in(self.ref_shards)
+        out: PerSample = {}
+        try:
+            for micro_batches in schedule.plan.for_rank(self.dp_rank):
+                for indices in micro_batches:
+                    packed, logp, _ = self._forward(schedule.batch, indices)
+                    for row, i in enumerate(indices):
+                        out[i] = logp[row, : int(packed.response_lengths[row])].cpu()
+        finally:
+            if which == "ref":
+                self._swap_in(actor_copies)
+        return out
+
+    # ----- train ---------------------------------------------------------------------------
+
+    def train(self, schedule: TrainSchedule) -> dict[str, float]:
+        """Every optimizer step of one rollout; metrics reduced over micro-batches and ranks."""
+        plan = schedule.plan
+        ref = self.compute_log_probs(schedule, "ref") if self.loss_config.use_kl else None
+        # One update per rollout: pi_old is the current policy, so no recomputation (ratio == 1).
+        old = self.compute_log_probs(schedule, "actor") if plan.num_steps > 1 else None
+        metrics = MetricAccumulator()
+        skipped = 0
+        for step_index in range(plan.num_steps):
+            step_loss = self.backward_step(schedule, step_index, metrics, ref=ref, old=old)
+            result = self._optimizer_step(len(plan.steps[step_index].sample_indices))
+            skipped += int(result.skipped)
+            # The step loss is the sum of the DP replicas' shares (each counted once, not once
+            # per TP rank); grad norm and lr are global, so each rank adds 1/world of them.
+            share = 1.0 / self.world
+            metrics.add("loss", step_loss / self.loss_replicas, share)
+            metrics.add("grad_norm", share * (0.0 if result.skipped else result.grad_norm), share)
+            metrics.add("lr", share * result.lr, share)
+        names, packed_metrics = metrics.to_tensor()
+        # Per-micro-batch metrics are (sum, weight) pairs, so TP copies cancel in the mean.
+        dist.all_reduce(packed_metrics)
+        means = MetricAccumulator.from_tensor(names, packed_metrics).means()
+        out = {f"train/{name}": value for name, value in means.items()}
+        out["train/skipped_steps"] = float(skipped)
+        return out
+
+    def backward_step(
+        self,
+        schedule: TrainSchedule,
+        step_index: int,
+        metrics: MetricAccumulator,
+        *,
+        ref: PerSample | None = None,
+        old: PerSample | None = None,
+    ) -> float:
+        """Forward + backward every micro-batch of one optimizer step on this rank.
+
+        Leaves the step's full gradient (summed over DP ranks) in ``.grad``; returns
+        this rank's share of the step loss. ``train`` follows it with the optimizer
+        step; tests call it alone to compare gradients.
+        """
+        batch = schedule.batch
+        step = schedule.plan.steps[step_index]
+        norm = Normalizers(step.num_tokens, step.num_samples, step.max_response_len)
+        step_loss = 0.0
+        for indices in step.for_rank(self.dp_rank):
+            packed, logp, entropy = self._forward(batch, indices)
+            width = logp.shape[1]
+            rollout_logp = batch.rollout_log_probs_of(indices, width)
+            loss, micro_metrics = micro_batch_loss(
+                logp,
+                packed.loss_mask,
+                batch.advantages_of(indices).to(self.device),
+                norm,
+                self.loss_config,
+                old_logp=self._rows(old, indices, width),
+                ref_logp=self._rows(ref, indices, width),
+                rollout_logp=None if rollout_logp is None else rollout_logp.to(self.device),
+                entropy=entropy,
+            )
+            loss.backward()
+            step_loss += float(loss.detach())
+            metrics.merge(micro_metrics)
+        self._finish_grads()
+        return step_loss
+
+    def _rows(
+        self, values: PerSample | None, indices: tuple[int, ...], width: int
+    ) -> torch.Tensor | None:
+        """``[B, width]`` of per-sample log-probs, zero-padded, on the device; None passes."""
+        if values is None:
+            return None
+        return pad_rows([values[i] for i in indices], width).to(self.device)
+
+    def _optimizer_step(self, num_samples: int) -> StepResult:
+        lr = self.lr_schedule(self.samples_consumed + num_samples)
+        result = optimizer_step(
+            self.optimizer, self.params, self.grad_norm(), clip_grad=self.args.clip_grad, lr=lr
+        )
+        self.samples_consumed += num_samples
+        if result.skipped:
+            self.skipped_steps += 1
+            if self.rank == 0:
+                print(f"vime: non-finite grad norm {result.grad_norm}; step skipped", flush=True)
+        else:
+            self.optimizer_steps += 1
+        return result
+
+    # ----- weights out ---------------------------------------------------------------------
+
+    def _hf_dtype(self) -> torch.dtype:
+        """The dtype the HF checkpoint declares (what engines and exports receive)."""
+        dtype = getattr(self.hf_config, "dtype", None) or torch.float32
+        return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+    def export_hf(self, path: str) -> None:
+        buckets = self.weight_buckets(self.args.update_weight_buffer_size)
+        if self.rank != 0:
+            for _ in buckets:  # take part in the gathers; rank 0 writes
+                pass
+            return
+        tokenizer = None
+        if self.args.hf_checkpoint:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(self.args.hf_checkpoint)
+            except (OSError, ValueError):
+                tokenizer = None  # a checkpoint without a tokenizer exports weights only
+        save_hf_folder(path, buckets, config=self.hf_config, tokenizer=tokenizer)
+
+    # ----- checkpoints ---------------------------------------------------------------------
+
+    def save(self, rollout_id: int, extra: dict[str, Any] | None = None) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        save_dir = self.args.save
+        partial = checkpoint.begin_save(save_dir, rollout_id, is_rank0=self.rank == 0)
+        dist.barrier()
+        dcp.save(self._state(), checkpoint_id=str(partial))
+        torch.save(checkpoint.rng_state(), os.path.join(partial, f"rng_rank{self.rank}.pt"))
+        dist.barrier()
+        if self.rank == 0:
+            counters = {
+                "samples_consumed": self.samples_consumed,
+                "optimizer_steps": self.optimizer_steps,
+                "skipped_steps": self.skipped_steps,
+            }
+            checkpoint.commit_save(
+                save_dir,
+                rollout_id,
+                backend=self.backend_name,
+                world_size=self.world,
+                extra={"counters": counters, **self._checkpoint_extra(), **(extra or {})},
+                keep_last=self.args.keep_last_checkpoints,
+            )
+        dist.barrier()
+
+    @abc.abstractmethod
+    def _load(self, load_dir: str) -> int:
+        """Restore the newest checkpoint under ``load_dir``; return its rollout id."""
+
+    def _open_checkpoint(self, load_dir: str) -> tuple[int, Any, dict[str, Any]]:
+        """The newest checkpoint's rollout id, folder and verified metadata; restores the
+        step counters. A checkpoint of another backend is refused (its layout differs)."""
+        rollout_id = checkpoint.latest(load_dir)
+        folder = checkpoint.iteration_dir(load_dir, rollout_id)
+        meta = checkpoint.verify(folder)
+        if meta.get("backend") != self.backend_name:
+            raise checkpoint.CheckpointError(
+                f"{folder} was saved by the {meta.get('backend')!r} backend; the "
+                f"{self.backend_name} backend loads only its own checkpoints (start from an "
+                "HF export instead: --save-hf, then --hf-checkpoint)"
+            )
+        counters = meta["extra"]["counters"]
+        self.samples_consumed = counters["samples_consumed"]
+        self.optimizer_steps = counters["optimizer_steps"]
+        self.skipped_steps = counters["skipped_steps"]
+        self.loaded_extra = meta["extra"]
+        return rollout_id, folder, meta
+
+    def _restore_rng(self, folder: Any) -> None:
+        rng = torch.load(os.path.join(folder, f"rng_rank{self.rank}.pt"), weights_only=False)
+        checkpoint.set_rng_state(rng)
