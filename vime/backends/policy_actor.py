@@ -5,14 +5,16 @@ that must be the same in both backends for their runs to be one run lives here,
 once: the optimizer and LR schedule set-up, the reference-model swap, the
 log-prob pass at training geometry, the micro-batch loop over
 ``vime.algo.objective.micro_batch_loss``, the optimizer-step chokepoint with its
-counters, the metric reduction, the HF export and the checkpoint commit.
+counters, the metric reduction, ``sleep``/``wake_up`` (GPU memory parked on the
+host through ``vime.device.HostStash``), the HF export and the checkpoint commit.
 
 A backend supplies only what differs: how a packed row becomes logits
 (``_logits``), which tensors hold this rank's share of the weights
 (``_local_tensors``), how the global gradient norm is computed (``_grad_norm``),
 what must happen to gradients after backward (``_finish_grads``: megatron sums
 data-parallel and partial tensor-parallel grads there; FSDP2 has already
-reduce-scattered), its HF-named weight source (``weight_buckets``) and its
+reduce-scattered), what to free before sleeping (``_release_gathered``: FSDP2's
+gathered groups), its HF-named weight source (``weight_buckets``) and its
 checkpoint state (``_state`` / ``_load``).
 """
 
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import abc
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from vime import checkpoint
+from vime import device as vime_device
 from vime.algo import load_function, policy_loss
 from vime.algo.metrics import MetricAccumulator
 from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
@@ -33,6 +37,7 @@ from vime.backends.base import TrainActor
 from vime.backends.optim import LRSchedule, StepResult, optimizer_step, param_groups
 from vime.data.batch import TrainSchedule, pad_rows
 from vime.data.micro_batch import response_log_probs
+from vime.device import HostStash
 from vime.weights.hf_export import save_hf_folder
 
 PerSample = dict[int, torch.Tensor]
@@ -62,6 +67,9 @@ class PolicyTrainActor(TrainActor):
     @abc.abstractmethod
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the step's gradient (the same number on every rank)."""
+
+    def _release_gathered(self) -> None:
+        """Free full-weight copies a forward may have left behind (before ``sleep``)."""
 
     def _finish_grads(self) -> None:
         """Complete the step's gradient after every micro-batch's backward."""
@@ -105,6 +113,7 @@ class PolicyTrainActor(TrainActor):
         self.samples_consumed = 0
         self.optimizer_steps = 0
         self.skipped_steps = 0
+        self._stash: HostStash | None = None
         # The reference model is the initial weights, kept as host copies of this rank's shards.
         self.ref_shards = self._host_copies() if args.use_kl_loss else None
 
@@ -247,6 +256,34 @@ class PolicyTrainActor(TrainActor):
             self.optimizer_steps += 1
         return result
 
+    # ----- accelerator memory --------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Free this rank's accelerator memory while the rollout engine has the GPU.
+
+        The weight shards, any gradients and the optimizer state that live on the
+        GPU go to host memory (their storages are emptied in place, so the optimizer
+        and the model keep valid references), and the allocator cache is returned;
+        tensors already on the host (e.g. ``--fsdp-cpu-offload``) stay where they are.
+        On CPU nothing lives on an accelerator, so this is a no-op. Nothing may run
+        on the model until ``wake_up``.
+        """
+        if self._stash is not None:
+            return
+        self._release_gathered()
+        tensors = list(self._local_tensors())
+        tensors += [_storage(p.grad) for p in self.params if p.grad is not None]
+        for state in self.optimizer.state.values():
+            tensors += [_storage(v) for v in state.values() if isinstance(v, torch.Tensor)]
+        self._stash = HostStash(t for t in tensors if vime_device.is_cuda(t.device))
+        vime_device.empty_cache()
+
+    def wake_up(self) -> None:
+        """Put back, bit for bit, what ``sleep`` moved to the host (no-op on CPU)."""
+        if self._stash is not None:
+            self._stash.restore()
+            self._stash = None
+
     # ----- weights out ---------------------------------------------------------------------
 
     def _hf_dtype(self) -> torch.dtype:
@@ -272,13 +309,18 @@ class PolicyTrainActor(TrainActor):
 
     # ----- checkpoints ---------------------------------------------------------------------
 
-    def save(self, rollout_id: int, extra: dict[str, Any] | None = None) -> None:
+    def _write_state(self, folder: Path) -> None:
+        """Write this rank's share of ``_state`` into ``folder`` (a collective over every
+        rank): ``torch.distributed.checkpoint`` unless a backend writes its own format."""
         import torch.distributed.checkpoint as dcp
 
+        dcp.save(self._state(), checkpoint_id=str(folder))
+
+    def save(self, rollout_id: int, extra: dict[str, Any] | None = None) -> None:
         save_dir = self.args.save
         partial = checkpoint.begin_save(save_dir, rollout_id, is_rank0=self.rank == 0)
         dist.barrier()
-        dcp.save(self._state(), checkpoint_id=str(partial))
+        self._write_state(partial)
         torch.save(checkpoint.rng_state(), os.path.join(partial, f"rng_rank{self.rank}.pt"))
         dist.barrier()
         if self.rank == 0:
@@ -323,3 +365,10 @@ class PolicyTrainActor(TrainActor):
     def _restore_rng(self, folder: Any) -> None:
         rng = torch.load(os.path.join(folder, f"rng_rank{self.rank}.pt"), weights_only=False)
         checkpoint.set_rng_state(rng)
+
+
+def _storage(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns the storage: a DTensor's local shard, else the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

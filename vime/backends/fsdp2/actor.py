@@ -26,10 +26,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from vime import checkpoint
-from vime import device as vime_device
 from vime.backends.fsdp2 import model as fsdp_model
 from vime.backends.policy_actor import PolicyTrainActor
-from vime.device import HostStash
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 
 
@@ -64,7 +62,6 @@ class FSDP2Actor(PolicyTrainActor):
             self.model.gradient_checkpointing_enable()
         self.hf_config = self.model.config
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self._stash: HostStash | None = None
         self._setup_training(list(self.model.named_parameters()))
         return self._start_rollout()
 
@@ -99,37 +96,12 @@ class FSDP2Actor(PolicyTrainActor):
         )
         return iter_buckets(entries, bucket_bytes)
 
-    # ----- accelerator memory --------------------------------------------------------------
-
-    def sleep(self) -> None:
-        """Free this rank's accelerator memory while the rollout engine has the GPU.
-
-        The parameter shards, any gradients and the optimizer state that live on
-        the GPU go to host memory (their storages are emptied in place, so the
-        optimizer and FSDP keep valid references), and the allocator cache is
-        returned; what ``--fsdp-cpu-offload`` keeps on the host stays there. On
-        CPU nothing lives on an accelerator, so this is a no-op. Nothing may run
-        on the model until ``wake_up``.
-        """
-        if self._stash is not None:
-            return
+    def _release_gathered(self) -> None:
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 # With --no-fsdp-reshard-after-forward a forward with no backward (log-probs)
                 # leaves the groups gathered; free those full copies too.
                 module.reshard()
-        tensors = [_local(p) for p in self.params]
-        tensors += [_local(p.grad) for p in self.params if p.grad is not None]
-        for state in self.optimizer.state.values():
-            tensors += [_local(v) for v in state.values() if isinstance(v, torch.Tensor)]
-        self._stash = HostStash(t for t in tensors if vime_device.is_cuda(t.device))
-        vime_device.empty_cache()
-
-    def wake_up(self) -> None:
-        """Put back, bit for bit, what ``sleep`` moved to the host (no-op on CPU)."""
-        if self._stash is not None:
-            self._stash.restore()
-            self._stash = None
 
     # ----- checkpoints ---------------------------------------------------------------------
 
