@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from collections import deque
 from datetime import datetime
 from pathlib import Path
@@ -203,7 +204,9 @@ class Tracker:
         if id_path.exists():
             run_id = id_path.read_text(encoding="utf-8").strip()
         else:
-            run_id = wandb.util.generate_id()
+            # Our own id (W&B accepts any [a-z0-9] string): wandb's helper for it has moved
+            # between releases.
+            run_id = uuid.uuid4().hex[:16]
             _write_atomic(id_path, run_id + "\n")
         return wandb.init(
             project=project,

@@ -5,15 +5,17 @@ values as null), that a resumed run rewrites it to exactly the rollouts before
 its start (dropping a half-written crash line), that the progress line shows
 what it should on a TTY (redrawn with \\r) and off one (a line per rollout),
 that finish() writes summary.json and a real PNG, that TensorBoard receives the
-scalars, and that --use-wandb without wandb is a ConfigError.
+scalars, that --use-wandb without wandb is a ConfigError that leaves nothing
+behind, and that with wandb (offline mode, no network) the rollouts' metrics
+land in the W&B run and a resumed run continues the same W&B run id.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import math
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -203,9 +205,37 @@ def test_tensorboard_receives_scalars(tmp_path: Path) -> None:
     assert "note" not in acc.Tags()["scalars"]  # null is not a scalar
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
-def test_use_wandb_without_wandb_is_a_config_error(tmp_path: Path) -> None:
+def test_use_wandb_without_wandb_is_a_config_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what `import wandb` sees when absent
     out_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match="pip install wandb"):
         Tracker(str(out_dir), num_rollouts=1, use_wandb=True, stream=io.StringIO())
     assert not out_dir.exists()  # nothing half-made left behind
+
+
+def _wandb_run_file(out_dir: Path, run_id: str, index: int) -> bytes:
+    runs = sorted((out_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    return (runs[index] / f"run-{run_id}.wandb").read_bytes()
+
+
+def test_wandb_offline_receives_metrics_and_resume_keeps_the_run(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = Tracker(str(tmp_path), num_rollouts=3, use_wandb=True, stream=io.StringIO())
+    tracker.log(0, {"rollout/reward_mean": 0.125, "note": "text is not logged"})
+    tracker.log(1, {"rollout/reward_mean": 0.375})
+    tracker.finish()
+    run_id = (tmp_path / "wandb_run_id.txt").read_text().strip()
+    # The offline run file is W&B's record log: history keys and values appear verbatim.
+    first = _wandb_run_file(tmp_path, run_id, 0)
+    assert b"rollout/reward_mean" in first and b"0.125" in first and b"0.375" in first
+    assert b"text is not logged" not in first
+
+    resumed = Tracker(
+        str(tmp_path), num_rollouts=3, start_rollout=2, use_wandb=True, stream=io.StringIO()
+    )
+    resumed.log(2, {"rollout/reward_mean": 0.625})
+    resumed.finish()
+    assert (tmp_path / "wandb_run_id.txt").read_text().strip() == run_id
+    assert b"0.625" in _wandb_run_file(tmp_path, run_id, -1)
