@@ -1,11 +1,13 @@
-"""Training-step throughput: vime's fsdp2 actor (packed rows) vs a naive padded HF step.
+"""Training-step throughput: a vime backend's actor (packed rows) vs a naive padded HF step.
 
-Where it fits: the fsdp2 backend's performance check (bench/README.md). Both paths
+Where it fits: the backends' performance check (bench/README.md). Both paths
 train the same random Qwen3 (written to a temp HF folder) on the same long-tailed
 rollout with the same GRPO token-mean loss, AdamW and clip, one step per rollout:
-vime = ``FSDP2Actor`` at world size 1 (gloo/fp32 on CPU, NCCL/bf16 on GPU) on rows
-packed under ``--max-tokens-per-gpu``; naive = the plain HF model on fixed
-micro-batches in rollout order, right-padded, full-vocabulary log-softmax.
+vime = the ``--backend`` actor at world size 1 (``FSDP2Actor``: gloo/fp32 on CPU,
+NCCL/bf16 on GPU; ``MegatronActor``: megatron-core local layers, fp32, a
+block-diagonal mask over each packed row) on rows packed under
+``--max-tokens-per-gpu``; naive = the plain HF model on fixed micro-batches in
+rollout order, right-padded, full-vocabulary log-softmax.
 
 Printed side by side: real (non-pad) tokens/s, padding, model FLOP/s (6 x matmul
 params x real tokens / s) as a fraction of the matmul peak measured in the same run
@@ -15,6 +17,7 @@ norm must agree; otherwise the two paths did different work and the bench exits 
 
     PYTHONPATH=. python bench/train_step.py              # default size, CPU; run it alone
     PYTHONPATH=. python bench/train_step.py --smoke      # tiny, for the tests
+    PYTHONPATH=. python bench/train_step.py --backend megatron
     PYTHONPATH=. python bench/train_step.py --device cuda --hidden 1024 --layers 16
 """
 
@@ -44,6 +47,7 @@ SMOKE = dict(
 
 
 FLAGS: tuple[tuple[str, type, Any, str], ...] = (  # flag, type, default, help
+    ("backend", str, "fsdp2", "vime's training backend: fsdp2 or megatron"),
     ("threads", int, os.cpu_count(), "torch intra-op threads"),
     ("seed", int, 0, "of the weights and the rollout"),
     ("hidden", int, 256, "random Qwen3: hidden size"),
@@ -149,18 +153,19 @@ def make_rollout(args: argparse.Namespace) -> Any:
 
 
 def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, dict]:
-    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends import registry
     from vime.config import parse_args
     from vime.data.batch import schedule
 
     longest = args.prompt_max + args.response_max
     cap = args.max_tokens_per_gpu or args.naive_micro_batch_size * longest
     flags = (
-        f"--train-backend fsdp2 --lr {args.lr} --rollout-batch-size {args.samples // args.group} "
-        f"--n-samples-per-prompt {args.group} --global-batch-size {args.samples} "
+        f"--train-backend {args.backend} --lr {args.lr} "
+        f"--rollout-batch-size {args.samples // args.group} --n-samples-per-prompt {args.group} "
+        f"--global-batch-size {args.samples} "
         f"--use-dynamic-batch-size --max-tokens-per-gpu {cap} --prompt-data builtin:reverse"
     )  # --prompt-data only satisfies validation: the rollout here is made up
-    actor = FSDP2Actor()
+    actor = registry.actor_class(args.backend)()
     actor.init(parse_args(["--hf-checkpoint", hf_dir, *flags.split()]))
     sched = schedule(batch, global_batch_size=args.samples, dp_size=1, max_tokens_per_gpu=cap)
     rows = [mb for step in sched.plan.for_rank(0) for mb in step]
@@ -169,7 +174,8 @@ def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, 
         metrics = actor.train(sched)
         return metrics["train/loss"], metrics["train/grad_norm"]
 
-    attn = actor.model.config._attn_implementation
+    hf_config = getattr(actor.model, "config", None)
+    attn = getattr(hf_config, "_attn_implementation", None) or "megatron local, block mask"
     forwarded = sum(max(1, sum(len(batch.tokens[i]) for i in mb)) for mb in rows)
     return step, dict(rows=len(rows), forwarded=forwarded, attn=attn, batching=f"<={cap} tok/row")
 
@@ -232,7 +238,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vime_bench_") as hf_dir:
         params = write_model(args, hf_dir)
         paths = {
-            "vime fsdp2 (packed)": vime_path(args, hf_dir, batch),
+            f"vime {args.backend} (packed)": vime_path(args, hf_dir, batch),
             "naive HF (padded)": naive_path(args, hf_dir, batch, device),
         }
         times: dict[str, list[float]] = {name: [] for name in paths}

@@ -1,7 +1,7 @@
 """Smoke run of ``bench/train_step.py --smoke`` as a subprocess: it must keep working.
 
-Proves: the bench runs end to end at a tiny size (both paths build, train one
-step and report), prints the side-by-side table, and both paths' first step
+Proves: the bench runs end to end at a tiny size for each backend (both paths
+build, train one step and report), prints the side-by-side table, and both paths' first step
 gives the same loss and grad norm (the bench's own check, exit status 0). Also
 that vime's packed rows forward no padding while the naive rows do. No timing
 is asserted: the figures depend on the machine and its load.
@@ -15,13 +15,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_train_step_bench_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+def test_train_step_bench_smoke(backend: str, tmp_path: Path) -> None:
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
     out = tmp_path / "figures.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     flags = ["--smoke", "--threads", "1", "--device", "cpu", "--json", str(out)]
+    flags += ["--backend", backend]
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "train_step.py"), *flags],
         cwd=ROOT,
@@ -36,7 +42,7 @@ def test_train_step_bench_smoke(tmp_path: Path) -> None:
         "vime train-step bench:",
         "rollout: 8 samples",
         "matmul peak",
-        "vime fsdp2 (packed)",
+        f"vime {backend} (packed)",
         "naive HF (padded)",
         "ratio vime/naive:",
         "check: first-step loss and grad norm agree within 0.001: ok",
@@ -45,7 +51,8 @@ def test_train_step_bench_smoke(tmp_path: Path) -> None:
 
     figures = json.loads(out.read_text())
     assert figures["check"] is True
-    vime, naive = figures["paths"]["vime fsdp2 (packed)"], figures["paths"]["naive HF (padded)"]
+    vime = figures["paths"][f"vime {backend} (packed)"]
+    naive = figures["paths"]["naive HF (padded)"]
     assert vime["forwarded"] == figures["real_tokens"]
     assert naive["forwarded"] > figures["real_tokens"]
     assert len(vime["times"]) == len(naive["times"]) == 1
