@@ -10,11 +10,12 @@ Checked for Qwen3 at TP=1/DP=1, TP=2 (two gloo processes) and DP=2, and for a ti
 Llama at TP=2. Also: the weight source yields exactly the HF weights it loaded, in
 HF-named buckets under the budget, and the HF export reloads in transformers; save ->
 new processes -> load -> continue equals the uninterrupted run bitwise, and the
-same checkpoint (HF layout) loads at TP=1 and continues the run; a non-finite
-gradient norm skips the step; a checkpoint of another backend and pipeline
-parallelism are rejected; ``vime-train --train-backend megatron`` runs 2 rollouts
-end to end (TP=2, the default rollout engine, weight sync checked by the trainer's
-log-prob probe).
+same checkpoint (megatron-core ``dist_checkpointing``) loads at TP=1 and continues
+the run; a TP=1 checkpoint loads at TP=2 with weights and AdamW moments bitwise
+equal in HF names; a non-finite gradient norm skips the step; a checkpoint of
+another backend and pipeline parallelism are rejected; ``vime-train
+--train-backend megatron`` runs 2 rollouts end to end (TP=2, the default rollout
+engine, weight sync checked by the trainer's log-prob probe).
 """
 
 from __future__ import annotations
@@ -146,10 +147,35 @@ def scenario_train4(actor, args, start):
     return scenario_train(actor, args, start, count=4)
 
 
+def _full_moments(actor) -> dict[str, dict[str, torch.Tensor]]:
+    """The AdamW moments in HF names and layout (gathered like the weights), and the step."""
+    from vime.weights.buckets import iter_buckets
+
+    out: dict = {"step": actor.optimizer.state[actor.params[0]]["step"].clone()}
+    for moment in ("exp_avg", "exp_avg_sq"):
+        entries = actor._hf_entries(
+            torch.float32, lambda _n, p, m=moment: actor.optimizer.state[p][m]
+        )
+        out[moment] = {n: t.clone() for bucket in iter_buckets(entries, 1 << 16) for n, t in bucket}
+    return out
+
+
 def scenario_save(actor, args, start):
     result = scenario_train(actor, args, start)
     actor.save(start + 1)
     return result
+
+
+def scenario_save_fresh(actor, args, start):
+    """A save before any optimizer step (id 0), then 2 rollouts and a save (id 1)."""
+    actor.save(start)
+    result = scenario_train(actor, args, start)
+    actor.save(start + 1)
+    return {**result, "moments": _full_moments(actor)}
+
+
+def scenario_load(actor, args, start):
+    return {"start": start, "weights": _full_weights(actor), "moments": _full_moments(actor)}
 
 
 def scenario_export(actor, args, start):
@@ -176,6 +202,8 @@ SCENARIOS = {
         scenario_train,
         scenario_train4,
         scenario_save,
+        scenario_save_fresh,
+        scenario_load,
         scenario_export,
         scenario_nan,
     )
@@ -269,8 +297,8 @@ def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
     assert resumed["metrics"] == whole["metrics"][2:]
     for name, weight in whole["weights"].items():
         assert torch.equal(resumed["weights"][name], weight), name
-    # The checkpoint is in HF layout: one process at TP=1 re-splits it and continues the
-    # same run (up to fp32 summation order).
+    # The checkpoint is megatron-core's TP-independent layout: one process at TP=1
+    # re-splits it and continues the same run (up to fp32 summation order).
     single = run(
         "megatron",
         "train",
@@ -283,6 +311,87 @@ def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
         torch.testing.assert_close(single["weights"][name], weight, rtol=1e-4, atol=1e-5)
     for key in ("train/loss", "train/grad_norm", "train/kl_loss"):
         assert single["metrics"][1][key] == pytest.approx(whole["metrics"][3][key], rel=1e-4)
+
+
+def test_checkpoint_is_dist_checkpointing_and_reshards(hf_dir, tmp_path) -> None:
+    """The folder is megatron-core's ``dist_checkpointing`` (weights, both AdamW moments,
+    the step in ``common.pt``; none of the optimizer before its first step), and a TP=1
+    save loads at TP=2 with weights and moments bitwise equal in HF names."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = tmp_path / "ckpt"
+    saved = run(
+        "megatron",
+        "save_fresh",
+        actor_args(hf_dir, 1, "--save", str(ckpt), backend="megatron"),
+        1,
+        tmp_path,
+    )
+    fresh, trained = str(ckpt / "iter_0000000"), str(ckpt / "iter_0000001")
+    for folder in (fresh, trained):
+        assert dist_checkpointing.check_is_distributed_checkpoint(folder)
+    fresh_keys = set(dist_checkpointing.load_tensors_metadata(fresh))
+    metadata = dist_checkpointing.load_tensors_metadata(trained)
+    assert fresh_keys and not any(k.startswith("optimizer.") for k in fresh_keys)
+    assert "optimizer" not in dist_checkpointing.load_common_state_dict(fresh)
+    # megatron-core's global layout: layers stacked, the vocab padded to 128 rows at TP=1.
+    assert metadata["decoder.layers.self_attention.linear_qkv.weight"].global_shape[0] == 2
+    assert metadata["embedding.word_embeddings.weight"].global_shape == (128, 64)
+    for moment in ("exp_avg", "exp_avg_sq"):
+        assert set(metadata) >= {f"optimizer.{moment}.{k}" for k in fresh_keys}
+    common = dist_checkpointing.load_common_state_dict(trained)
+    assert torch.equal(common["optimizer"]["step"], saved["moments"]["step"])
+    assert float(saved["moments"]["step"]) == 4.0  # 2 rollouts x 2 optimizer steps
+
+    loaded = run(
+        "megatron",
+        "load",
+        actor_args(hf_dir, 2, "--load", str(ckpt), backend="megatron", tp=2),
+        2,
+        tmp_path,
+    )
+    assert loaded["start"] == 2
+    assert sorted(loaded["weights"]) == sorted(saved["weights"])
+    for name, weight in saved["weights"].items():
+        assert torch.equal(loaded["weights"][name], weight), name
+    assert torch.equal(loaded["moments"]["step"], saved["moments"]["step"])
+    for moment in ("exp_avg", "exp_avg_sq"):
+        assert sorted(loaded["moments"][moment]) == sorted(saved["weights"])
+        for name, value in saved["moments"][moment].items():
+            assert value.abs().sum() > 0, f"{name}: {moment} never written"
+            assert torch.equal(loaded["moments"][moment][name], value), (moment, name)
+
+
+def _save_job(rank: int, world: int, folder: str) -> dict:
+    import multiprocessing
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from vime.backends.megatron import checkpoint as mcheckpoint
+    from vime.backends.megatron import model as mmodel
+
+    mmodel.init_model_parallel(tp=1)
+    weight = torch.arange(6.0).reshape(2, 3)
+    mcheckpoint.save({"w": ShardedTensor.from_rank_offsets("w", weight)}, folder)
+    target = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3))}
+    return {
+        "children": [p.name for p in multiprocessing.active_children()],
+        "queue_reset": filesystem_async._results_queue is None,
+        "loaded": dist_checkpointing.load(target, folder)["w"],
+    }
+
+
+def test_save_leaves_no_process_behind(tmp_path) -> None:
+    """megatron-core's writer would start a multiprocessing Manager that outlives a rank
+    ending in ``os._exit``; the save gives it an in-process queue instead."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    got = spawn(_save_job, 1, tmp_path, str(folder))
+    assert got["children"] == []
+    assert got["queue_reset"]
+    assert torch.equal(got["loaded"], torch.arange(6.0).reshape(2, 3))
 
 
 def test_non_finite_gradient_skips_step(hf_dir, tmp_path) -> None:

@@ -76,7 +76,7 @@ class PolicyTrainActor(TrainActor):
 
     @abc.abstractmethod
     def _state(self) -> dict[str, Any]:
-        """What ``torch.distributed.checkpoint`` saves and loads for this rank."""
+        """This rank's checkpoint state, in the form ``_write_state`` and ``_load`` use."""
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         """Backend facts recorded in the checkpoint metadata (e.g. the TP size)."""

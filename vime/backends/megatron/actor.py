@@ -18,10 +18,16 @@ Optimizer: torch ``AdamW`` over the local (TP-sharded) parameters with the same
 decay groups as fsdp2 (megatron-core's optimizer needs CUDA). AdamW is
 elementwise, so sharded AdamW is the same update as unsharded AdamW.
 
-Checkpoints: ``torch.distributed.checkpoint`` of the weights and AdamW moments
-gathered to HF names and layout (the TP shards are converted back exactly, the
-vocab padding dropped), so a checkpoint does not depend on the TP size it was
-saved with and is re-split on load.
+Checkpoints: megatron-core's own ``dist_checkpointing`` (``checkpoint.py``), in
+the folder ``vime.checkpoint`` hands out and commits (``iter_N`` + tracker, written
+atomically by ``PolicyTrainActor.save``). Each rank saves its TP shard as
+``GPTModel.sharded_state_dict()`` describes it -- megatron-core knows its own
+layouts (fused QKV per query group, swiglu ``fc1`` halves, vocab padding) -- with
+the AdamW moments sharded like their parameters and the step as common state. No
+rank gathers full tensors, the checkpoint is megatron-core's own format, and its
+global layout does not depend on the TP size: a load at another TP size is
+megatron-core's re-split, bitwise for every real (non-padding) row. RNG streams are
+restored only when world size and TP size match.
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from vime import device as vime_device
+from vime.backends.megatron import checkpoint as mcheckpoint
 from vime.backends.megatron import convert
 from vime.backends.megatron import model as mmodel
 from vime.backends.megatron.shims import apply_cpu_shims
@@ -42,7 +48,6 @@ from vime.backends.policy_actor import PolicyTrainActor
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 
 PerSample = dict[int, torch.Tensor]
-ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def read_hf_state(path: str) -> dict[str, torch.Tensor]:
@@ -214,22 +219,14 @@ class MegatronActor(PolicyTrainActor):
 
     # ----- checkpoints ---------------------------------------------------------------------
 
-    def _full(self, tensor_of: Callable[[str, torch.Tensor], torch.Tensor]) -> dict:
-        return {
-            hf_name: tensor
-            for name, param in self.named_params
-            for hf_name, tensor in self._gather_hf(name, tensor_of(name, param))
-        }
-
     def _state(self) -> dict[str, Any]:
-        """Weights and AdamW moments in HF names and layout (full tensors, TP-independent)."""
-        state: dict[str, Any] = {"model": self._full(lambda _n, p: p)}
-        # A never-stepped AdamW has no state to save.
-        if self.optimizer_steps > 0:
-            for moment in ADAM_MOMENTS:
-                state[moment] = self._full(lambda _n, p, m=moment: self.optimizer.state[p][m])
-            state["adam_step"] = self.optimizer.state[self.params[0]]["step"].clone()
-        return state
+        """megatron-core's sharded state dict of the weights, AdamW moments and step."""
+        return mcheckpoint.sharded_state(
+            self.model, self.named_params, self.optimizer, with_optimizer=self.optimizer_steps > 0
+        )
+
+    def _write_state(self, folder: Path) -> None:
+        mcheckpoint.save(self._state(), folder)
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         return {"tp": self.tp}
@@ -237,24 +234,13 @@ class MegatronActor(PolicyTrainActor):
     def _load(self, load_dir: str) -> int:
         """Restore the newest checkpoint under ``load_dir``; return its rollout id."""
         rollout_id, folder, meta = self._open_checkpoint(load_dir)
-        if self.optimizer_steps > 0:  # templates for the moments (any values, right shapes)
-            for p in self.params:
-                self.optimizer.state[p] = {m: torch.zeros_like(p) for m in ADAM_MOMENTS}
-                self.optimizer.state[p]["step"] = torch.zeros((), dtype=torch.float32)
-        state = self._state()
-        dcp.load(state, checkpoint_id=str(folder))
-
-        def shard(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return convert.hf_to_megatron(full, self.hf_config, self.tp_rank, self.tp)
-
-        mmodel.load_megatron_state(self.model, shard(state["model"]))
-        if self.optimizer_steps > 0:
-            moments = {m: shard(state[m]) for m in ADAM_MOMENTS}
-            for name, p in self.named_params:
-                self.optimizer.state[p] = {
-                    "step": state["adam_step"].clone(),
-                    **{m: moments[m][name].clone() for m in ADAM_MOMENTS},
-                }
+        mcheckpoint.load(
+            self.model,
+            self.named_params,
+            self.optimizer,
+            folder,
+            with_optimizer=self.optimizer_steps > 0,
+        )
         if int(meta["world_size"]) == self.world and meta["extra"].get("tp") == self.tp:
             self._restore_rng(folder)
         elif self.rank == 0:

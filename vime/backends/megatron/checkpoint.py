@@ -1,0 +1,150 @@
+"""The megatron backend's checkpoint tensors, through megatron-core's ``dist_checkpointing``.
+
+Where it fits: ``MegatronActor`` writes these into the folder that
+``vime.checkpoint`` hands every rank (``PolicyTrainActor.save`` commits it) and
+reads them back on ``--load``. What goes in is megatron-core's own description of
+the model, ``GPTModel.sharded_state_dict()``: every parameter as a ``ShardedTensor``
+(or ``ShardedTensorFactory``) placed in a global tensor whose layout does not depend
+on the TP size -- TP shards at their offsets, the fused QKV split per query group,
+swiglu's ``linear_fc1`` split into its gate and up halves by a factory, the layers
+stacked on a prepended axis, the vocab-padded embedding and output layer marked
+``allow_shape_mismatch`` -- and TP-replicated tensors saved by one replica only. A
+load at another TP size is therefore megatron-core's own re-split.
+
+The optimizer is torch ``AdamW`` (megatron-core's needs CUDA); its moments have
+their parameter's shape and sharding, so each is saved as a copy of its parameter's
+sharded entry with the moment as data and the key prefixed ``optimizer.<moment>.``
+(megatron-core's ``make_sharded_optimizer_tensor``, what its own optimizers do). The
+step count is one number shared by every parameter and rank: common state
+(``common.pt``, written by rank 0). A never-stepped AdamW has no state and saves none.
+
+Vocab padding: the padded vocabulary grows with TP (64 tokens -> 128 rows at TP=1,
+256 at TP=2). For an ``allow_shape_mismatch`` tensor megatron-core zeroes the target
+and reads only the rows the checkpoint and the target share, so real rows load
+bitwise and padding rows come back zero -- what they hold anyway: the logits beyond
+the HF vocabulary are dropped, so padding rows get no gradient, no moment and no
+update (weight decay of zero is zero).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron.core.dist_checkpointing.validation import StrictHandling
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+NamedParams = list[tuple[str, torch.nn.Parameter]]
+
+
+def sharded_state(
+    model: torch.nn.Module,
+    named_params: NamedParams,
+    optimizer: torch.optim.Optimizer,
+    *,
+    with_optimizer: bool,
+) -> dict[str, Any]:
+    """This rank's sharded state dict: the model's, plus the AdamW moments and step.
+
+    ``with_optimizer`` needs a populated ``optimizer.state`` for every parameter (real
+    moments to save, or templates of the right shapes to load into).
+    """
+    model_state = model.sharded_state_dict()
+    state: dict[str, Any] = {"model": model_state}
+    if with_optimizer:
+        optim: dict[str, Any] = {
+            moment: {
+                name: make_sharded_optimizer_tensor(
+                    model_state[name], optimizer.state[param][moment], f"optimizer.{moment}"
+                )
+                for name, param in named_params
+            }
+            for moment in ADAM_MOMENTS
+        }
+        # Common state: one value, the same on every rank (dist_checkpointing checks that).
+        optim["step"] = optimizer.state[named_params[0][1]]["step"].detach().clone()
+        state["optimizer"] = optim
+    return state
+
+
+def save(state: dict[str, Any], folder: Path) -> None:
+    """Write ``sharded_state``'s dict into ``folder`` (a collective over every rank).
+
+    Synchronous, with megatron-core's default ``torch_dist`` strategy (its writer
+    forks one process per file and collects their results), under
+    ``in_process_results_queue``.
+    """
+    with in_process_results_queue():
+        dist_checkpointing.save(state, str(folder))
+
+
+@contextlib.contextmanager
+def in_process_results_queue() -> Iterator[None]:
+    """Give megatron-core's checkpoint writer a plain in-process results queue.
+
+    ``FileSystemWriterAsync.prepare_write_data`` (``strategies/filesystem_async.py``)
+    takes its results queue from ``_get_write_results_queue()``, which on first use
+    starts a ``multiprocessing`` *Manager* server (a spawned Python process) and keeps
+    it for the life of the process. Only a normal interpreter exit stops it: a rank
+    that ends with ``os._exit`` or a signal leaves it orphaned, one per rank that ever
+    saved. A synchronous save (``AsyncRequest.execute_sync``) runs the writer in this
+    process and only ``put``s and ``get_nowait``s the queue here, so an in-process
+    queue does the same job without the extra process (and without its seconds of
+    start-up). Installed only for the duration of the save and only where megatron-core
+    has not made its own queue yet, so an asynchronous save elsewhere is unaffected.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        raise RuntimeError(
+            "megatron-core moved filesystem_async._results_queue; revisit "
+            "vime.backends.megatron.checkpoint.in_process_results_queue"
+        )
+    if filesystem_async._results_queue is not None:  # megatron-core's own, already running
+        yield
+        return
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = None
+
+
+def load(
+    model: torch.nn.Module,
+    named_params: NamedParams,
+    optimizer: torch.optim.Optimizer,
+    folder: Path,
+    *,
+    with_optimizer: bool,
+) -> None:
+    """Restore weights (and AdamW moments and step) from ``folder`` at this rank's TP shard.
+
+    A collective over every rank. Strict both ways: a tensor the model expects but the
+    checkpoint lacks, or one the checkpoint has but nothing here reads, is an error.
+    """
+    if with_optimizer:  # templates for the moments (any values, right shapes)
+        for _, param in named_params:
+            optimizer.state[param] = {m: torch.zeros_like(param) for m in ADAM_MOMENTS}
+            optimizer.state[param]["step"] = torch.zeros((), dtype=torch.float32)
+    state = sharded_state(model, named_params, optimizer, with_optimizer=with_optimizer)
+    loaded = dist_checkpointing.load(state, str(folder), strict=StrictHandling.RAISE_ALL)
+    model.load_state_dict(loaded["model"], strict=True)
+    if with_optimizer:
+        optim = loaded["optimizer"]
+        for name, param in named_params:
+            optimizer.state[param] = {
+                "step": optim["step"].clone(),
+                **{m: optim[m][name].contiguous() for m in ADAM_MOMENTS},
+            }
+
+
+def is_dist_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a megatron-core ``dist_checkpointing`` checkpoint."""
+    return dist_checkpointing.check_is_distributed_checkpoint(str(folder))
