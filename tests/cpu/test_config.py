@@ -43,13 +43,11 @@ def test_megatron_data_parallel_size() -> None:
             "--actor-num-gpus-per-node",
             "8",
             "--megatron-tensor-parallel-size",
-            "2",
-            "--megatron-pipeline-parallel-size",
-            "2",
+            "4",
         ]
     )
     assert cfg.data_parallel_size == 2
-    assert cfg.megatron_tensor_parallel_size == 2
+    assert cfg.megatron_tensor_parallel_size == 4
 
 
 def test_fsdp2_hybrid_keeps_every_rank_data_parallel() -> None:

@@ -411,12 +411,20 @@ def test_checkpoint_of_another_backend_rejected(tmp_path) -> None:
         MegatronActor()._load(str(tmp_path))
 
 
-def test_pipeline_parallel_rejected(hf_dir) -> None:
-    from vime.backends.megatron.actor import _check_flags
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--megatron-pipeline-parallel-size", "2"),
+        ("--megatron-tensor-parallel-size", "2", "--megatron-sequence-parallel"),
+        ("--megatron-use-distributed-optimizer",),
+    ],
+)
+def test_unbuilt_parallelism_rejected_at_parse_time(hf_dir, flags) -> None:
+    from vime.config.errors import ConfigError
 
-    args = actor_args(hf_dir, 2, "--megatron-pipeline-parallel-size", "2", backend="megatron")
-    with pytest.raises(ValueError, match="pipeline-parallel"):
-        _check_flags(args)
+    flag = flags[-1] if flags[-1].startswith("--") else flags[0]
+    with pytest.raises(ConfigError, match=f"{flag}.* not supported yet"):
+        actor_args(hf_dir, 2, *flags, backend="megatron")
 
 
 def test_vime_train_end_to_end(tmp_path) -> None:

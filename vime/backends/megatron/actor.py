@@ -11,8 +11,10 @@ and the weight source (``vime.weights.buckets``).
 
 Parallelism: tensor parallel (TP) inside megatron-core's layers; data parallel
 (DP) here, by summing each step's gradients over the DP group (the planner's
-global normalizers make that sum the full-batch gradient). Pipeline parallel is
-not built yet and is rejected at start-up.
+global normalizers make that sum the full-batch gradient). Pipeline parallel,
+sequence parallel and the distributed optimizer are not built yet and are rejected
+when the flags are parsed (``flags.py``). Activation recompute is megatron-core's
+own (``--megatron-recompute-granularity``, ``recompute_fields``).
 
 Optimizer: torch ``AdamW`` over the local (TP-sharded) parameters with the same
 decay groups as fsdp2 (megatron-core's optimizer needs CUDA). AdamW is
@@ -63,22 +65,22 @@ def read_hf_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _check_flags(args: Any) -> None:
-    """Reject the megatron flags this backend accepts but does not run yet."""
-    if args.megatron_pipeline_parallel_size != 1:
-        raise ValueError(
-            "megatron backend: --megatron-pipeline-parallel-size > 1 is not supported yet "
-            "(use tensor and data parallelism)"
-        )
-    if args.megatron_sequence_parallel:
-        raise ValueError("megatron backend: --megatron-sequence-parallel is not supported yet")
-    if args.megatron_use_distributed_optimizer:
-        raise ValueError(
-            "megatron backend: --megatron-use-distributed-optimizer is not supported yet "
-            "(torch AdamW keeps the optimizer state of this rank's TP shard)"
-        )
-    if args.megatron_recompute_granularity != "none":
-        raise ValueError("megatron backend: --megatron-recompute-granularity is not supported yet")
+def recompute_fields(granularity: str) -> dict[str, Any]:
+    """``TransformerConfig`` fields of ``--megatron-recompute-granularity``.
+
+    ``selective`` recomputes core attention (megatron-core's default module: the
+    ``L x L`` scores are the large, cheap activations); ``full`` recomputes every
+    transformer layer from its input, one layer per checkpointed unit.
+    """
+    if granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    if granularity == "full":
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    return {}
 
 
 class MegatronActor(PolicyTrainActor):
@@ -90,7 +92,6 @@ class MegatronActor(PolicyTrainActor):
         self.args = args
         if args.hf_checkpoint is None:
             raise ValueError("the megatron backend needs --hf-checkpoint DIR")
-        _check_flags(args)
         from transformers import AutoConfig
 
         apply_cpu_shims()
@@ -108,7 +109,10 @@ class MegatronActor(PolicyTrainActor):
         self._dp_rank = ps.get_data_parallel_rank()
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         tcfg, _ = convert.transformer_config_from_hf(
-            self.hf_config, tp=self.tp, params_dtype=torch.float32
+            self.hf_config,
+            tp=self.tp,
+            params_dtype=torch.float32,
+            **recompute_fields(args.megatron_recompute_granularity),
         )
         self.model = mmodel.build_gpt_model(self.hf_config, tcfg)
         # Every rank reads the checkpoint and keeps its TP shard (fine on the host).

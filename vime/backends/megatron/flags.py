@@ -21,23 +21,26 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--megatron-tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks"
     )
     g.add_argument(
-        "--megatron-pipeline-parallel-size", type=int, default=1, help="pipeline-parallel stages"
+        "--megatron-pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline-parallel stages (only 1 is supported yet)",
     )
     g.add_argument(
         "--megatron-sequence-parallel",
         action="store_true",
-        help="shard activations along the sequence in tensor-parallel regions",
+        help="shard activations along the sequence in TP regions (not supported yet)",
     )
     g.add_argument(
         "--megatron-use-distributed-optimizer",
         action="store_true",
-        help="shard optimizer state over data-parallel ranks",
+        help="shard optimizer state over data-parallel ranks (not supported yet)",
     )
     g.add_argument(
         "--megatron-recompute-granularity",
         choices=RECOMPUTE_GRANULARITIES,
         default="none",
-        help="activation recomputation",
+        help="activation recomputation: selective = core attention, full = every layer",
     )
 
 
@@ -57,4 +60,25 @@ def validate(args: argparse.Namespace) -> int:
         )
     if args.megatron_sequence_parallel and tp == 1:
         raise ConfigError("--megatron-sequence-parallel needs --megatron-tensor-parallel-size > 1")
+    _reject_unbuilt(args)
     return world // (tp * pp)
+
+
+def _reject_unbuilt(args: argparse.Namespace) -> None:
+    """The flags megatron-core offers that this backend does not run yet: fail at parse
+    time, before Ray starts, rather than in every training rank."""
+    if args.megatron_pipeline_parallel_size != 1:
+        raise ConfigError(
+            "--megatron-pipeline-parallel-size > 1 is not supported yet by the megatron "
+            "backend; use tensor and data parallelism"
+        )
+    if args.megatron_sequence_parallel:
+        raise ConfigError(
+            "--megatron-sequence-parallel is not supported yet by the megatron backend; "
+            "drop the flag"
+        )
+    if args.megatron_use_distributed_optimizer:
+        raise ConfigError(
+            "--megatron-use-distributed-optimizer is not supported yet by the megatron backend "
+            "(torch AdamW keeps each rank's TP-shard state); drop the flag"
+        )
