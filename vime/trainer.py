@@ -10,6 +10,7 @@ Everything here is sequencing; the parts live elsewhere: prompts and tasks in
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Any
 
@@ -36,8 +37,19 @@ EMBEDDED_MODEL_DIR = "embedded_model"
 
 
 def run(args: Config) -> dict[str, Any]:
-    """Train as ``args`` says; returns the final summary (also in ``summary.json``)."""
-    session = Run(args)
+    """Train as ``args`` says; returns the final summary (also in ``summary.json``).
+
+    A run that fails while it is being set up (bad data, an unreachable cluster)
+    removes the output folder it created, so a failed start leaves nothing behind.
+    """
+    args = args.replace(output_dir=args.output_dir or default_output_dir())
+    created = not os.path.exists(args.output_dir)
+    try:
+        session = Run(args)
+    except BaseException:
+        if created:
+            shutil.rmtree(args.output_dir, ignore_errors=True)
+        raise
     try:
         return session.train()
     finally:

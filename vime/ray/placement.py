@@ -11,6 +11,7 @@ as many CPUs as the run has bundles, so a laptop runs any layout (slowly).
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from vime.config.errors import ConfigError
+
 READY_TIMEOUT_S = 120.0
+# How long joining a cluster waits for its GCS port to accept a connection.
+CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -65,17 +70,59 @@ def layout_of(args: Any, use_gpu: bool) -> Layout:
 
 
 def start_ray(address: str | None, min_cpus: int) -> None:
-    """Join ``address`` (or RAY_ADDRESS) if given, else start a local Ray."""
+    """Join ``address`` (or RAY_ADDRESS) if given, else start a local Ray.
+
+    A cluster address that nothing answers on is refused at once with a
+    ``ConfigError`` naming it: ``ray.init`` would otherwise retry for ever.
+    """
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
     # Workers inherit the driver's environment; Ray's own noise is not the user's business.
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        _check_reachable(address)
+        try:
+            ray.init(address=address, runtime_env=env, log_to_driver=True)
+        except ConnectionError as err:
+            # The port answered, so the usual cause is Ray's token authentication: a
+            # driver given an explicit address only sends a token when told to.
+            raise ConfigError(
+                f"could not join the Ray cluster at {address}: {str(err).splitlines()[0]}; "
+                "if it uses token authentication (`ray start` enables it when "
+                "~/.ray/auth_token exists), set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or "
+                "RAY_AUTH_TOKEN_PATH for vime-train as well"
+            ) from None
     else:
         cpus = max(os.cpu_count() or 1, min_cpus)
         ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast unless something accepts TCP connections at ``address``'s host:port."""
+    if address in ("auto", "local"):  # Ray finds (or starts) the cluster itself
+        return
+    target = address.removeprefix("ray://")
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(
+            f"Ray address {address!r} is not host:port (as printed by `ray start --head`); "
+            "fix --ray-address or RAY_ADDRESS"
+        )
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as err:
+        raise ConfigError(_unreachable(address, err.strerror or str(err))) from None
+
+
+def _unreachable(address: str, reason: str) -> str:
+    return (
+        f"no Ray cluster answers at {address} (from --ray-address or RAY_ADDRESS): {reason}; "
+        "start one there with `ray start --head --port PORT`, fix the address, or drop "
+        "--ray-address and unset RAY_ADDRESS to start a local Ray"
+    )
 
 
 @dataclass
