@@ -1,4 +1,4 @@
-"""Smoke run of ``bench/train_step.py --smoke`` as a subprocess: it must keep working.
+"""Smoke runs of the benches as subprocesses: they must keep working.
 
 Proves: the bench runs end to end at a tiny size for each backend (both paths
 build, train one step and report), prints the side-by-side table, and both paths' first step
@@ -57,3 +57,23 @@ def test_train_step_bench_smoke(backend: str, tmp_path: Path) -> None:
     assert naive["forwarded"] > figures["real_tokens"]
     assert len(vime["times"]) == len(naive["times"]) == 1
     assert all(gflops > 0 for _, gflops in figures["peaks"].values())
+
+
+def test_engine_idle_bench_smoke(tmp_path: Path) -> None:
+    """``bench/engine_idle.py --smoke`` (needs vLLM): it runs and writes its figures."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "idle.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "engine_idle.py"), "--smoke", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["tokens_per_s"] > 0 and figures["idle_window_s"] > 0
+    assert figures["idle_cpu_s"] >= 0  # measured, not judged: it depends on the machine
+    assert "of one core" in result.stdout

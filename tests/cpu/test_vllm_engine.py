@@ -10,7 +10,10 @@ renormalised truncated distribution, greedy ones are at T = 1; EOS from the chec
 ``stop_token_ids`` end completions (token kept, finish "stop"); ``update_weights``
 makes the engine serve the new weights (stale prefix cache dropped) and
 advances ``weight_version``; building the engine leaves the caller's RNG alone;
-importing the module does not import vLLM. Skipped where vLLM is not installed.
+importing the module does not import vLLM; an engine actor started by
+``EngineGroup`` runs with ``OMP_WAIT_POLICY=PASSIVE`` even when the driver has
+``ACTIVE`` (an idle engine then leaves its core to training: bench/engine_idle.py).
+Skipped where vLLM is not installed.
 """
 
 from __future__ import annotations
@@ -260,3 +263,38 @@ def test_update_weights_with_tied_embeddings(tmp_path: Path) -> None:
     got = engine.score(ids, 3, 1.0)
     assert _max_diff(got, _reference(model, ids, 3, 1.0)) < 1e-4
     assert engine.weight_version == 3
+
+
+def test_engine_actor_openmp_sleeps_when_idle(
+    setup: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """libgomp reads its wait policy when it loads: it must be in the actor's own
+    environment from the start, and win over a spinning policy the driver passes on."""
+    import ray
+
+    from vime.ray.engines import EngineGroup
+    from vime.ray.placement import Layout, reserve
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # inherited by Ray's workers
+    started = not ray.is_initialized()
+    if started:
+        job_env = {"env_vars": {"VIME_TEST_JOB_VAR": "kept"}}
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=job_env)
+    try:
+        layout = Layout(
+            num_train=1, num_engines=1, gpus_per_engine=1, colocate=False, use_gpu=False
+        )
+        group = EngineGroup("vllm", str(setup.root / "model"), reserve(layout), {"seed": 0})
+        pid = ray.get(group.actors[0].ready.remote())
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = dict(
+                item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item
+            )
+        assert environ["OMP_WAIT_POLICY"] == "PASSIVE"
+        if started:  # the job's own variables (the trainer sets some) are merged, not dropped
+            assert environ.get("VIME_TEST_JOB_VAR") == "kept"
+        out = group.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=3))
+        assert len(out[0][0].response_ids) >= 1
+    finally:
+        if started:
+            ray.shutdown()

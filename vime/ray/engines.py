@@ -18,6 +18,15 @@ import ray
 from vime.ray.placement import Placement, wait_all
 from vime.rollout.types import Completion, SamplingParams
 
+# Set in every engine actor's process before it starts. OpenMP (the libgomp that torch
+# and vLLM's CPU kernels run on) reads its wait policy once, when the library loads, so
+# it cannot be set from inside the engine. With OMP_WAIT_POLICY=ACTIVE inherited from the
+# driver an idle engine's OpenMP worker spins for ever: a whole core, taken from the
+# training ranks that run while the engine waits (bench/engine_idle.py: 1.0 of a core
+# idle with ACTIVE; 0.01 unset or PASSIVE). PASSIVE puts idle workers to sleep at once
+# whatever the driver's environment; generation tokens/s were the same within noise.
+ENGINE_ENV_VARS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
 
 def resolve_engine(name: str) -> tuple[str, str]:
     """``(engine, reason)``: ``auto`` picks vllm when importable, else hf."""
@@ -137,6 +146,7 @@ class EngineGroup:
                 num_cpus=0 if layout.colocate else 1,
                 num_gpus=(0.2 if layout.colocate else 1) if layout.use_gpu else 0,
                 scheduling_strategy=placement.strategy(layout.engine_bundles(e)[0]),
+                runtime_env={"env_vars": dict(ENGINE_ENV_VARS)},
             ).remote(kind, checkpoint, options)
             for e in range(layout.num_engines)
         ]
