@@ -13,9 +13,10 @@ new processes -> load -> continue equals the uninterrupted run bitwise, and the
 same checkpoint (megatron-core ``dist_checkpointing``) loads at TP=1 and continues
 the run; a TP=1 checkpoint loads at TP=2 with weights and AdamW moments bitwise
 equal in HF names; a non-finite gradient norm skips the step; a checkpoint of
-another backend and pipeline parallelism are rejected; ``vime-train
---train-backend megatron`` runs 2 rollouts end to end (TP=2, the default rollout
-engine, weight sync checked by the trainer's log-prob probe).
+another backend, pipeline parallelism and the distributed optimizer are
+rejected; ``vime-train --train-backend megatron`` runs 2 rollouts end to end
+(TP=2 with sequence parallel, the default rollout engine, weight sync checked by
+the trainer's log-prob probe).
 """
 
 from __future__ import annotations
@@ -415,7 +416,6 @@ def test_checkpoint_of_another_backend_rejected(tmp_path) -> None:
     "flags",
     [
         ("--megatron-pipeline-parallel-size", "2"),
-        ("--megatron-tensor-parallel-size", "2", "--megatron-sequence-parallel"),
         ("--megatron-use-distributed-optimizer",),
     ],
 )
@@ -428,12 +428,13 @@ def test_unbuilt_parallelism_rejected_at_parse_time(hf_dir, flags) -> None:
 
 
 def test_vime_train_end_to_end(tmp_path) -> None:
-    """``vime-train --train-backend megatron`` at TP=2: 2 rollouts of the embedded default,
-    weights synced to the rollout engine (which then scores like the trainer), a
-    checkpoint and the HF export."""
+    """``vime-train --train-backend megatron`` at TP=2 with sequence parallel: 2 rollouts
+    of the embedded default, weights synced to the rollout engine (which then scores like
+    the trainer), a checkpoint and the HF export."""
     script = Path(sys.executable).with_name("vime-train")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
     flags = ["--train-backend", "megatron", "--megatron-tensor-parallel-size", "2"]
+    flags += ["--megatron-sequence-parallel"]
     flags += ["--actor-num-gpus-per-node", "2", "--rollout-batch-size", "8"]
     flags += ["--n-samples-per-prompt", "4", "--max-tokens-per-gpu", "256", "--seed", "7"]
     flags += ["--num-rollout", "2", "--output-dir", "out", "--save", "ckpt"]

@@ -1,7 +1,9 @@
 """megatron backend modes on real gloo process groups: activation recompute and sleep/wake.
 
 Proves, with two CPU processes at TP=2 and a tiny random Qwen3:
-``--megatron-recompute-granularity selective`` and ``full`` give the same step-0
+``--megatron-recompute-granularity selective`` and ``full``, and
+``--megatron-sequence-parallel`` (rows padded to a multiple of TP, activations
+split along the sequence, norm gradients summed over TP), give the same step-0
 gradient as ``none`` on every rank's shard (in practice bit for bit; the gradient
 is checked to be non-zero) while really recomputing -- core attention runs twice
 per micro-batch under ``selective``, and the whole transformer layer twice under
@@ -22,6 +24,8 @@ from vime.algo.metrics import MetricAccumulator
 from vime.data.batch import schedule
 
 GRANULARITIES = ("none", "selective", "full")
+MODES = {g: ("--megatron-recompute-granularity", g) for g in GRANULARITIES}
+MODES["sequence_parallel"] = ("--megatron-sequence-parallel",)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,11 @@ def _step0(actor, args) -> dict:
     ref = actor.compute_log_probs(sched, "ref")
     layer = actor.model.decoder.layers[0]
     counts = {"layer": 0, "core_attention": 0}
+    tokens_in: list[int] = []  # sequence length of each hidden state entering layer 0
     handles = [
+        layer.register_forward_pre_hook(
+            lambda _m, a, k: tokens_in.append(k["hidden_states"].shape[0]), with_kwargs=True
+        ),
         layer.register_forward_hook(_counter(counts, "layer")),
         layer.self_attention.core_attention.register_forward_hook(
             _counter(counts, "core_attention")
@@ -63,6 +71,7 @@ def _step0(actor, args) -> dict:
             torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
         ),
         "calls": {k: v / micro_batches for k, v in counts.items()},
+        "tokens_in": tokens_in,
     }
 
 
@@ -70,13 +79,16 @@ def job_modes(rank: int, world: int, hf: str) -> dict:
     from vime.backends.megatron.actor import MegatronActor
 
     results: dict = {}
-    for granularity in GRANULARITIES:
-        flags = ("--megatron-recompute-granularity", granularity)
+    for mode, flags in MODES.items():
         args = actor_args(hf, world, *flags, backend="megatron", tp=2)
         actor = MegatronActor()
         actor.init(args)
-        results[granularity] = _step0(actor, args)
-        if granularity == "none":
+        results[mode] = _step0(actor, args)
+        results[mode]["row_multiple"] = actor.row_multiple
+        results[mode]["seq_parallel_params"] = sum(
+            bool(getattr(p, "sequence_parallel", False)) for p in actor.params
+        )
+        if mode == "none":
             before = [(p.data_ptr(), p.detach().clone()) for p in actor.params]
             actor.sleep()
             actor.wake_up()
@@ -93,9 +105,9 @@ def modes(hf_dir, tmp_path_factory) -> dict:
     return spawn(job_modes, 2, tmp_path_factory.mktemp("megatron_modes"), hf_dir)
 
 
-@pytest.mark.parametrize("granularity", ["selective", "full"])
-def test_recompute_gives_the_same_gradient(modes, granularity) -> None:
-    base, other = modes["none"], modes[granularity]
+@pytest.mark.parametrize("mode", ["selective", "full", "sequence_parallel"])
+def test_mode_gives_the_same_gradient(modes, mode) -> None:
+    base, other = modes["none"], modes[mode]
     assert base["grad_norm"] > 1e-3, "zero gradient: the comparison would prove nothing"
     assert sorted(other["grads"]) == sorted(base["grads"])
     for name, grad in base["grads"].items():
@@ -106,6 +118,18 @@ def test_recompute_really_recomputes(modes) -> None:
     assert modes["none"]["calls"] == {"layer": 1, "core_attention": 1}
     assert modes["selective"]["calls"] == {"layer": 1, "core_attention": 2}
     assert modes["full"]["calls"] == {"layer": 2, "core_attention": 2}
+
+
+def test_sequence_parallel_splits_rows_and_sums_norm_grads(modes) -> None:
+    """Rows are padded to a multiple of TP; every norm weight is marked for the TP sum
+    (2 layers x input, pre-MLP, Q and K norms, plus the final norm); off by default."""
+    assert modes["sequence_parallel"]["row_multiple"] == 2
+    assert modes["sequence_parallel"]["seq_parallel_params"] == 2 * 4 + 1
+    assert modes["none"]["row_multiple"] == 1 and modes["none"]["seq_parallel_params"] == 0
+    # Each rank's layers see half of every (even-padded) row.
+    whole, split = modes["none"]["tokens_in"], modes["sequence_parallel"]["tokens_in"]
+    assert whole and len(split) == len(whole)
+    assert split == [(n + n % 2) // 2 for n in whole], (whole, split)
 
 
 def test_sleep_and_wake_are_noops_on_cpu(modes) -> None:

@@ -53,6 +53,8 @@ class PolicyTrainActor(TrainActor):
     backend_name: str = ""  # recorded in checkpoints; a load checks it
     # Ranks of one data-parallel replica that compute the same loss share (tensor parallel).
     loss_replicas: int = 1
+    # Packed rows are right-padded to a multiple of this many tokens (sequence parallel).
+    row_multiple: int = 1
 
     # ----- backend hooks -------------------------------------------------------------------
 
@@ -134,7 +136,7 @@ class PolicyTrainActor(TrainActor):
                 local.copy_(value)
 
     def _forward(self, batch: Any, indices: tuple[int, ...]) -> tuple[Any, torch.Tensor, Any]:
-        packed = batch.pack(indices).to(self.device)
+        packed = batch.pack(indices, pad_to_multiple_of=self.row_multiple).to(self.device)
         logp, entropy = response_log_probs(
             self._logits(packed).float(),
             packed,

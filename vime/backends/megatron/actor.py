@@ -11,10 +11,12 @@ and the weight source (``vime.weights.buckets``).
 
 Parallelism: tensor parallel (TP) inside megatron-core's layers; data parallel
 (DP) here, by summing each step's gradients over the DP group (the planner's
-global normalizers make that sum the full-batch gradient). Pipeline parallel,
-sequence parallel and the distributed optimizer are not built yet and are rejected
-when the flags are parsed (``flags.py``). Activation recompute is megatron-core's
-own (``--megatron-recompute-granularity``, ``recompute_fields``).
+global normalizers make that sum the full-batch gradient). Sequence parallel
+(``--megatron-sequence-parallel``) is megatron-core's, with rows padded to a
+multiple of TP and the norms' partial gradients summed over TP here; activation
+recompute is megatron-core's too (``recompute_fields``). Pipeline parallel and
+the distributed optimizer are not built yet and are rejected when the flags are
+parsed (``flags.py``).
 
 Optimizer: torch ``AdamW`` over the local (TP-sharded) parameters with the same
 decay groups as fsdp2 (megatron-core's optimizer needs CUDA). AdamW is
@@ -97,6 +99,9 @@ class MegatronActor(PolicyTrainActor):
         apply_cpu_shims()
         self.tp = int(args.megatron_tensor_parallel_size)
         self.loss_replicas = self.tp  # every TP rank of a replica computes the same loss
+        sequence_parallel = bool(args.megatron_sequence_parallel)
+        # Sequence parallel splits each row's tokens over the TP ranks.
+        self.row_multiple = self.tp if sequence_parallel else 1
         mmodel.init_model_parallel(tp=self.tp, pp=1, seed=args.seed)
         from megatron.core import parallel_state as ps
 
@@ -112,6 +117,7 @@ class MegatronActor(PolicyTrainActor):
             self.hf_config,
             tp=self.tp,
             params_dtype=torch.float32,
+            sequence_parallel=sequence_parallel,
             **recompute_fields(args.megatron_recompute_granularity),
         )
         self.model = mmodel.build_gpt_model(self.hf_config, tcfg)
@@ -129,12 +135,14 @@ class MegatronActor(PolicyTrainActor):
         if missing:
             raise ValueError(f"megatron parameters without an HF counterpart: {missing[:8]}")
         # Replicated parameters whose gradient each TP rank only partly computes: the QK
-        # norms act on this rank's heads only (megatron-core's finalize_model_grads sums
-        # them over the TP group too).
+        # norms act on this rank's heads only, and under sequence parallel every norm sees
+        # this rank's slice of the sequence only (megatron-core's finalize_model_grads sums
+        # both over the TP group too).
         self.tp_partial = [
             p
             for n, p in self.named_params
-            if self.tp > 1 and ("q_layernorm" in n or "k_layernorm" in n)
+            if self.tp > 1
+            and ("q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))
         ]
         self._setup_training(self.named_params)
         return self._start_rollout()

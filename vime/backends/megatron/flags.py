@@ -29,7 +29,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--megatron-sequence-parallel",
         action="store_true",
-        help="shard activations along the sequence in TP regions (not supported yet)",
+        help="shard activations along the sequence in tensor-parallel regions",
     )
     g.add_argument(
         "--megatron-use-distributed-optimizer",
@@ -71,11 +71,6 @@ def _reject_unbuilt(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--megatron-pipeline-parallel-size > 1 is not supported yet by the megatron "
             "backend; use tensor and data parallelism"
-        )
-    if args.megatron_sequence_parallel:
-        raise ConfigError(
-            "--megatron-sequence-parallel is not supported yet by the megatron backend; "
-            "drop the flag"
         )
     if args.megatron_use_distributed_optimizer:
         raise ConfigError(

@@ -18,6 +18,7 @@ built yet; ``PackedRowGPTModel`` leaves RoPE alone when ``PackedSeqParams`` are 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -28,6 +29,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from vime import device as vime_device
 from vime.backends.megatron.convert import gpt_extra
@@ -124,27 +127,60 @@ class PackedRowGPTModel(GPTModel):
         return (out[0], rotary, *out[2:])
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm built the way megatron-core builds a norm, and sequence-parallel ready.
+
+    megatron-core's ``WrappedTorchNorm`` (its norm without TransformerEngine or
+    Apex) is the same math but refuses sequence parallelism. Under it each TP rank
+    normalizes a slice of the sequence, so the weight's gradient is partial per
+    rank; marking it ``sequence_parallel`` (as megatron-core's fused norms do) lets
+    the actor sum it over the TP group.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def _with_norm(spec: Any, norm: type) -> Any:
+    """``spec`` with every ``WrappedTorchNorm`` replaced by ``norm`` (a copy; specs nest)."""
+    if spec is WrappedTorchNorm:
+        return norm
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        fields = {f.name: _with_norm(getattr(spec, f.name), norm) for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **fields)
+    return spec
+
+
+def local_block_spec(tcfg: Any) -> TransformerBlockSubmodules:
+    """megatron-core's local (no TransformerEngine) GPT layers, with ``RMSNorm`` norms,
+    as a whole-block spec so the block's final norm is ``RMSNorm`` too."""
+    layer = get_gpt_layer_local_spec(qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
+    layer = _with_norm(layer, RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * tcfg.num_layers, layer_norm=RMSNorm)
+
+
 def build_gpt_model(
     hf_config: Any,
     tcfg: Any,
     *,
     pre_process: bool = True,
     post_process: bool = True,
-    layer_spec: ModuleSpec | None = None,
+    layer_spec: ModuleSpec | TransformerBlockSubmodules | None = None,
 ) -> PackedRowGPTModel:
     """A randomly initialised ``GPTModel`` of ``hf_config``'s architecture on this rank.
 
     ``tcfg`` comes from ``convert.transformer_config_from_hf``; megatron's parallel
     state must be initialised with the same tensor-parallel size. ``layer_spec``
-    defaults to megatron-core's local spec (the one that runs without
-    TransformerEngine), with RMSNorm and QK-layernorm as ``tcfg`` says.
+    defaults to ``local_block_spec`` (megatron-core's layers that run without
+    TransformerEngine, QK-layernorm as ``tcfg`` says, ``RMSNorm`` norms).
     """
     apply_cpu_shims()
     extra = gpt_extra(hf_config, tp=tcfg.tensor_model_parallel_size)
     if layer_spec is None:
-        layer_spec = get_gpt_layer_local_spec(
-            qk_layernorm=tcfg.qk_layernorm, normalization=tcfg.normalization
-        )
+        if tcfg.normalization != "RMSNorm":
+            raise ValueError(f"only RMSNorm models are supported, not {tcfg.normalization}")
+        layer_spec = local_block_spec(tcfg)
     return PackedRowGPTModel(
         tcfg,
         layer_spec,
