@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,14 +20,9 @@ import torch.multiprocessing as mp
 
 from vime.config import parse_args
 from vime.data.batch import RolloutBatch
+from vime.weights.transports import free_port
 
 VOCAB = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_batch(rollout_id: int, n: int = 8, nan: bool = False) -> RolloutBatch:

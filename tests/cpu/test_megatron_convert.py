@@ -14,7 +14,6 @@ shards also convert back to the HF weights.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,6 +35,7 @@ pytest.importorskip("megatron.core")
 from vime.backends.megatron import convert
 from vime.backends.megatron import model as mmodel
 from vime.data.micro_batch import pack_micro_batch, response_log_probs
+from vime.weights.transports import free_port
 
 # Not a multiple of 128: the vocab padding is exercised (128 rows at TP=1, 256 at TP=2).
 VOCAB = 100
@@ -71,12 +71,6 @@ TP2_CONFIGS = ("qwen3", "qwen2-bias", "llama-tied")
 
 SAMPLES = ([5, 9, 13, 2, 77, 31, 8], [41, 3, 3, 60, 12, 99, 1, 0, 56, 23, 7, 18], [64, 10, 4, 90])
 PROMPT_LENGTHS = (3, 5, 2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hf_model(config: PretrainedConfig) -> torch.nn.Module:
@@ -127,7 +121,7 @@ def _assert_matches_hf(logits: torch.Tensor, reference: list) -> None:
 @pytest.fixture(scope="module")
 def megatron_world() -> Iterator[None]:
     """A one-process gloo world with megatron's parallel state (TP=1) around the module."""
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     mmodel.init_model_parallel(tp=1, seed=1234)
     yield
     mmodel.destroy_model_parallel()
@@ -309,7 +303,7 @@ def test_tensor_parallel_2_matches_hf(tmp_path: Path) -> None:
         hf = _hf_model(config)
         torch.save(hf.state_dict(), tmp_path / f"{name}.pt")
         references[name] = (config, hf.state_dict(), _hf_reference(hf))
-    mp.spawn(_tp2_worker, args=(_free_port(), TP2_CONFIGS, tmp_path, tmp_path), nprocs=2)
+    mp.spawn(_tp2_worker, args=(free_port(), TP2_CONFIGS, tmp_path, tmp_path), nprocs=2)
     for name, (config, state, reference) in references.items():
         results = [torch.load(tmp_path / f"{name}.{r}.pt") for r in range(2)]
         for result in results:  # every rank sees the full (gathered) vocabulary

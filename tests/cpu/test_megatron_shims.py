@@ -13,7 +13,6 @@ working. Skipped where CUDA exists: the shims are then off by design.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -27,18 +26,13 @@ from megatron.core import tensor_parallel  # noqa: E402
 
 from vime.backends.megatron import model as mmodel  # noqa: E402
 from vime.backends.megatron import shims  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from vime.weights.transports import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
 def megatron_world() -> Iterator[None]:
     """A one-process gloo world with megatron's parallel state (TP=1) around the module."""
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     mmodel.init_model_parallel(tp=1, seed=1234)
     yield
     mmodel.destroy_model_parallel()

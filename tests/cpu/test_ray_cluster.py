@@ -23,7 +23,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import pytest
 
 from vime.config import ConfigError
 from vime.ray.placement import start_ray
+from vime.weights.transports import free_port
 
 RUN_FLAGS = [
     "--prompt-data",
@@ -73,12 +73,6 @@ print("QUERY" + json.dumps({"jobs": jobs, "actors": actors, "nodes": nodes}))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _command() -> list[str]:
     script = Path(sys.executable).with_name("vime-train")
     return [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
@@ -102,9 +96,9 @@ def head() -> Iterator[str]:
     """A one-node Ray cluster (4 CPUs) of this module's own; yields its GCS address."""
     # Short: Ray's unix socket paths live under it and must stay under ~107 characters.
     temp_dir = tempfile.mkdtemp(prefix="vray", dir="/tmp")
-    port = _free_port()
+    port = free_port()
     ports = {  # every fixed default port too, so a concurrent Ray on this machine can't clash
-        flag: str(_free_port())
+        flag: str(free_port())
         for flag in (
             "--ray-client-server-port",
             "--dashboard-agent-listen-port",
@@ -191,7 +185,7 @@ def test_run_joins_the_running_cluster(head: str, tmp_path: Path) -> None:
 
 
 def test_unreachable_address_fails_fast_with_one_line(tmp_path: Path) -> None:
-    address = f"127.0.0.1:{_free_port()}"  # bound, released: nothing listens there
+    address = f"127.0.0.1:{free_port()}"  # bound, released: nothing listens there
     out = tmp_path / "out"
     # Before the check, this hung for ever (Ray retries the GCS); the timeout is a hang guard.
     result = subprocess.run(
@@ -216,7 +210,7 @@ def test_unreachable_address_fails_fast_with_one_line(tmp_path: Path) -> None:
 def test_start_ray_refuses_an_unreachable_address_from_the_environment(
     address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    address = address.format(port=_free_port())
+    address = address.format(port=free_port())
     monkeypatch.setenv("RAY_ADDRESS", address)
     with pytest.raises(ConfigError, match="no Ray cluster answers at") as caught:
         start_ray(None, 1)

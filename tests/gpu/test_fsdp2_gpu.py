@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from vime.weights.transports import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -30,12 +31,6 @@ VOCAB = 512
 # shape was 0.006, while letting the packed samples attend to each other moved log-probs by
 # more than 0.5. 0.05 is ~6 such steps: room for GPU kernels, far below a leak.
 LOGP_ATOL = 0.05
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +164,7 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def got(hf_dir, tmp_path_factory) -> dict:
     out = str(Path(tmp_path_factory.mktemp("gpu")) / "result.pt")
-    mp.spawn(_worker, args=(_free_port(), hf_dir, out), nprocs=1)
+    mp.spawn(_worker, args=(free_port(), hf_dir, out), nprocs=1)
     return torch.load(out, weights_only=False)
 
 

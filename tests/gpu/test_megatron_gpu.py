@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from vime.weights.transports import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -32,12 +33,6 @@ pytestmark = pytest.mark.gpu
 # absolute is ~20 such errors; a packing, RoPE or conversion bug moves log-probs by > 0.1.
 LOGP_ATOL = 2e-3
 NORM_RTOL = 1e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +131,7 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def got(hf_dir, tmp_path_factory) -> dict:
     out = str(Path(tmp_path_factory.mktemp("megatron_gpu")) / "result.pt")
-    mp.spawn(_worker, args=(_free_port(), hf_dir, out), nprocs=1)
+    mp.spawn(_worker, args=(free_port(), hf_dir, out), nprocs=1)
     return torch.load(out, weights_only=False)
 
 
