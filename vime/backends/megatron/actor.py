@@ -51,8 +51,6 @@ from vime.backends.megatron.shims import apply_cpu_shims
 from vime.backends.policy_actor import PolicyTrainActor
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 
-PerSample = dict[int, torch.Tensor]
-
 
 def read_hf_state(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the ``*.safetensors`` files of an HF folder."""
@@ -200,7 +198,11 @@ class MegatronActor(PolicyTrainActor):
     def _hf_entries(
         self, dtype: torch.dtype, tensor_of: Callable[[str, torch.Tensor], torch.Tensor]
     ) -> Iterator[WeightEntry]:
-        """One lazy entry per HF tensor; the entries of one megatron parameter share a gather."""
+        """One lazy entry per HF tensor; the entries of one megatron parameter share a gather.
+
+        ``tensor_of(name, param)`` picks what is gathered: the weights for the weight
+        source, or any tensor sharded like them (the tests gather AdamW moments so).
+        """
         for name, param in self.named_params:
             local = tensor_of(name, param)
             # Shapes from a gather of meta tensors: sizes are known before any communication.
