@@ -104,11 +104,12 @@ case "${BACKEND}" in
         )
         ;;
     megatron)
-        # No tensor/pipeline split at this size: all 8 ranks are data-parallel, as with fsdp2.
-        # (The distributed optimizer is not built yet: each rank keeps full AdamW state.)
+        # No tensor/pipeline split at this size: all 8 ranks are data-parallel, as with fsdp2,
+        # and each keeps the AdamW state of an eighth of the parameters.
         BACKEND_ARGS=(
             --megatron-tensor-parallel-size 1
             --megatron-pipeline-parallel-size 1
+            --megatron-use-distributed-optimizer
             --megatron-recompute-granularity full
         )
         ;;

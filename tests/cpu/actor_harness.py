@@ -40,9 +40,14 @@ def make_batch(rollout_id: int, n: int = 8, nan: bool = False) -> RolloutBatch:
     return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
 
 
-def actor_args(hf: str, world: int, *extra: str, backend: str = "fsdp2", tp: int = 1) -> Any:
+def actor_args(
+    hf: str, world: int, *extra: str, backend: str = "fsdp2", tp: int = 1, pp: int = 1
+) -> Any:
     """8 samples a rollout, global batch 4, micro-batches of 2, KL + entropy + decay on."""
-    backend_flags = ["--megatron-tensor-parallel-size", str(tp)] if backend == "megatron" else []
+    backend_flags = []
+    if backend == "megatron":
+        backend_flags = ["--megatron-tensor-parallel-size", str(tp)]
+        backend_flags += ["--megatron-pipeline-parallel-size", str(pp)]
     flags = {
         "--train-backend": backend,
         "--hf-checkpoint": hf,

@@ -6,16 +6,22 @@ same loss, the same gradient norm (1e-5 relative) and, after AdamW steps, the sa
 weights parameter by parameter in HF names -- on a second rollout whose KL term is
 against a reference that by then differs from the actor, with the entropy term on,
 and through ``train`` (two optimizer steps per rollout: old log-probs recomputed).
-Checked for Qwen3 at TP=1/DP=1, TP=2 (two gloo processes) and DP=2, and for a tied
-Llama at TP=2. Also: the weight source yields exactly the HF weights it loaded, in
-HF-named buckets under the budget, and the HF export reloads in transformers; save ->
-new processes -> load -> continue equals the uninterrupted run bitwise, and the
-same checkpoint (megatron-core ``dist_checkpointing``) loads at TP=1 and continues
-the run; a TP=1 checkpoint loads at TP=2 with weights and AdamW moments bitwise
-equal in HF names; a non-finite gradient norm skips the step; a checkpoint of
-another backend, pipeline parallelism and the distributed optimizer are
-rejected; ``vime-train --train-backend megatron`` runs 2 rollouts end to end
-(TP=2 with sequence parallel, the default rollout engine, weight sync checked by
+Checked for Qwen3 at TP=1/DP=1, TP=2 (two gloo processes), DP=2, PP=2 and TP=2 x
+DP=2 with the distributed optimizer (four processes), and for a tied Llama at TP=2,
+PP=2 and TP=2 x PP=2 with sequence parallel.
+
+Also: the weight source yields exactly the HF weights it loaded, in HF-named
+buckets under the budget, and the HF export reloads in transformers; save -> new
+processes -> load -> continue equals the uninterrupted run bitwise, and the same
+checkpoint (megatron-core ``dist_checkpointing``) loads at TP=1 and continues the
+run; a TP=1 checkpoint loads at TP=2 with weights and AdamW moments bitwise equal
+in HF names; at PP=2 a resume is bitwise and the checkpoint loads without
+pipelining, weights and moments bitwise; the distributed optimizer shards the
+AdamW state over DP and trains bitwise like the plain run, across a resume, and
+its checkpoint loads without it; a non-finite gradient norm skips the step; a
+checkpoint of another backend is rejected;
+``vime-train --train-backend megatron`` runs 2 rollouts end to end (TP=2 with
+sequence parallel, and PP=2; the default rollout engine, weight sync checked by
 the trainer's log-prob probe).
 """
 
@@ -123,8 +129,7 @@ def scenario_align(actor, args, start):
     # Sum the DP shares once (every TP rank of a DP group holds the same share).
     loss /= getattr(actor, "tp", 1)
     dist.all_reduce(loss)
-    names, packed = metrics.to_tensor()
-    dist.all_reduce(packed)
+    micro = metrics.all_reduce().means()  # pipeline stages without the loss add nothing
     grad_norm = _grad_norm(actor)
     actor._optimizer_step(len(sched.plan.steps[0].sample_indices))
     return {
@@ -132,7 +137,7 @@ def scenario_align(actor, args, start):
         "ref": all_ref,
         "old": all_old,
         "loss": float(loss),
-        "micro": MetricAccumulator.from_tensor(names, packed).means(),
+        "micro": micro,
         "grad_norm": grad_norm,
         "weights": _full_weights(actor),
     }
@@ -196,6 +201,31 @@ def scenario_nan(actor, args, start):
     return {"before": before, "after": _full_weights(actor), "metrics": metrics}
 
 
+def _own_moments(actor) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's AdamW moments by megatron name (only its share under the distributed
+    optimizer)."""
+    state = actor.optimizer.state
+    return {
+        n: {m: state[p][m].clone() for m in ("exp_avg", "exp_avg_sq")}
+        for n, p in actor.named_params
+        if p in state
+    }
+
+
+def scenario_share_save(actor, args, start):
+    import torch.distributed as dist
+
+    result = scenario_train(actor, args, start)
+    actor.save(start + 1)
+    shares = [None] * actor.world
+    dist.all_gather_object(shares, _own_moments(actor))
+    return {**result, "shares": shares}
+
+
+def scenario_own_moments(actor, args, start):
+    return {"start": start, "moments": _own_moments(actor)}
+
+
 SCENARIOS = {
     f.__name__.removeprefix("scenario_"): f
     for f in (
@@ -207,6 +237,8 @@ SCENARIOS = {
         scenario_load,
         scenario_export,
         scenario_nan,
+        scenario_share_save,
+        scenario_own_moments,
     )
 }
 
@@ -245,17 +277,35 @@ def _fsdp_reference(model_dir: str, tmp_path: Path) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("arch", "world", "tp"),
-    [("qwen3", 1, 1), ("qwen3", 2, 2), ("qwen3", 2, 1), ("llama_tied", 2, 2)],
-    ids=["qwen3-tp1", "qwen3-tp2", "qwen3-dp2", "llama_tied-tp2"],
+    ("arch", "world", "tp", "pp", "extra"),
+    [
+        ("qwen3", 1, 1, 1, ()),
+        ("qwen3", 2, 2, 1, ()),
+        ("qwen3", 2, 1, 1, ()),
+        ("llama_tied", 2, 2, 1, ()),
+        ("qwen3", 2, 1, 2, ()),
+        ("llama_tied", 2, 1, 2, ()),
+        ("llama_tied", 4, 2, 2, ("--megatron-sequence-parallel",)),
+        ("qwen3", 4, 2, 1, ("--megatron-use-distributed-optimizer",)),
+    ],
+    ids=[
+        "qwen3-tp1",
+        "qwen3-tp2",
+        "qwen3-dp2",
+        "llama_tied-tp2",
+        "qwen3-pp2",
+        "llama_tied-pp2",
+        "llama_tied-tp2-pp2-sp",
+        "qwen3-tp2-dp2-distopt",
+    ],
 )
-def test_megatron_matches_fsdp2(hf_dir, llama_dir, tmp_path, arch, world, tp) -> None:
+def test_megatron_matches_fsdp2(hf_dir, llama_dir, tmp_path, arch, world, tp, pp, extra) -> None:
     model_dir = hf_dir if arch == "qwen3" else llama_dir
     reference = _fsdp_reference(model_dir, tmp_path)
     mega = run(
         "megatron",
         "align",
-        actor_args(model_dir, world, backend="megatron", tp=tp),
+        actor_args(model_dir, world, *extra, backend="megatron", tp=tp, pp=pp),
         world,
         tmp_path,
     )
@@ -312,6 +362,35 @@ def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
         torch.testing.assert_close(single["weights"][name], weight, rtol=1e-4, atol=1e-5)
     for key in ("train/loss", "train/grad_norm", "train/kl_loss"):
         assert single["metrics"][1][key] == pytest.approx(whole["metrics"][3][key], rel=1e-4)
+
+
+def test_pipeline_resume_and_reshard(hf_dir, tmp_path) -> None:
+    """At PP=2 (one layer per stage): save -> new processes -> load -> continue equals the
+    uninterrupted run bitwise, and the same checkpoint loads in one process without
+    pipelining, weights and AdamW moments bitwise equal in HF names."""
+    ckpt = str(tmp_path / "ckpt")
+
+    def args(world: int, pp: int, *extra: str):
+        return actor_args(hf_dir, world, "--num-rollout", "4", *extra, backend="megatron", pp=pp)
+
+    whole = run("megatron", "train4", args(2, 2), 2, tmp_path)
+    first = run("megatron", "save_fresh", args(2, 2, "--save", ckpt), 2, tmp_path)
+    resumed = run("megatron", "train", args(2, 2, "--load", ckpt), 2, tmp_path)
+    assert resumed["start"] == 2
+    assert first["metrics"] == whole["metrics"][:2]
+    assert resumed["metrics"] == whole["metrics"][2:]
+    for name, weight in whole["weights"].items():
+        assert torch.equal(resumed["weights"][name], weight), name
+    single = run("megatron", "load", args(1, 1, "--load", ckpt), 1, tmp_path)
+    assert single["start"] == 2
+    assert sorted(single["weights"]) == sorted(first["weights"])
+    for name, weight in first["weights"].items():
+        assert torch.equal(single["weights"][name], weight), name
+    assert torch.equal(single["moments"]["step"], first["moments"]["step"])
+    for moment in ("exp_avg", "exp_avg_sq"):
+        for name, value in first["moments"][moment].items():
+            assert value.abs().sum() > 0, f"{name}: {moment} never written"
+            assert torch.equal(single["moments"][moment][name], value), (moment, name)
 
 
 def test_checkpoint_is_dist_checkpointing_and_reshards(hf_dir, tmp_path) -> None:
@@ -412,29 +491,55 @@ def test_checkpoint_of_another_backend_rejected(tmp_path) -> None:
         MegatronActor()._load(str(tmp_path))
 
 
+def test_distributed_optimizer(hf_dir, tmp_path) -> None:
+    """``--megatron-use-distributed-optimizer`` at DP=2: each rank holds AdamW state for a
+    disjoint share of the parameters (together all of them, each about half the
+    elements), and training is bitwise the plain DP=2 run through 4 rollouts with a
+    save -> new processes -> load in the middle; the checkpoint loads in one process
+    without the flag, every moment bitwise what its owner held."""
+    ckpt = str(tmp_path / "ckpt")
+
+    def args(world: int, *extra: str):
+        return actor_args(hf_dir, world, "--num-rollout", "4", *extra, backend="megatron")
+
+    zero = ("--megatron-use-distributed-optimizer",)
+    plain = run("megatron", "train4", args(2), 2, tmp_path)
+    first = run("megatron", "share_save", args(2, *zero, "--save", ckpt), 2, tmp_path)
+    resumed = run("megatron", "train", args(2, *zero, "--load", ckpt), 2, tmp_path)
+    assert first["metrics"] == plain["metrics"][:2]
+    assert resumed["start"] == 2 and resumed["metrics"] == plain["metrics"][2:]
+    for name, weight in plain["weights"].items():
+        assert torch.equal(resumed["weights"][name], weight), name
+
+    shares = first["shares"]
+    names = [set(share) for share in shares]
+    assert all(names) and not names[0] & names[1]
+    single = run("megatron", "own_moments", args(1, "--load", ckpt), 1, tmp_path)
+    assert names[0] | names[1] == set(single["moments"])
+    total = sum(m["exp_avg"].numel() for m in single["moments"].values())
+    for share in shares:
+        held = sum(m["exp_avg"].numel() for m in share.values())
+        assert 0.3 * total < held < 0.7 * total
+        for name, moments in share.items():
+            for key, value in moments.items():
+                assert torch.equal(single["moments"][name][key], value), (name, key)
+
+
 @pytest.mark.parametrize(
-    "flags",
+    "parallel",
     [
-        ("--megatron-pipeline-parallel-size", "2"),
-        ("--megatron-use-distributed-optimizer",),
+        ["--megatron-tensor-parallel-size", "2", "--megatron-sequence-parallel"],
+        ["--megatron-pipeline-parallel-size", "2"],
     ],
+    ids=["tp2-sp", "pp2"],
 )
-def test_unbuilt_parallelism_rejected_at_parse_time(hf_dir, flags) -> None:
-    from vime.config.errors import ConfigError
-
-    flag = flags[-1] if flags[-1].startswith("--") else flags[0]
-    with pytest.raises(ConfigError, match=f"{flag}.* not supported yet"):
-        actor_args(hf_dir, 2, *flags, backend="megatron")
-
-
-def test_vime_train_end_to_end(tmp_path) -> None:
-    """``vime-train --train-backend megatron`` at TP=2 with sequence parallel: 2 rollouts
-    of the embedded default, weights synced to the rollout engine (which then scores like
-    the trainer), a checkpoint and the HF export."""
+def test_vime_train_end_to_end(tmp_path, parallel) -> None:
+    """``vime-train --train-backend megatron`` on two ranks, at TP=2 with sequence parallel
+    and at PP=2: 2 rollouts of the embedded default, weights synced to the rollout engine
+    (which then scores like the trainer), a checkpoint and the HF export."""
     script = Path(sys.executable).with_name("vime-train")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
-    flags = ["--train-backend", "megatron", "--megatron-tensor-parallel-size", "2"]
-    flags += ["--megatron-sequence-parallel"]
+    flags = ["--train-backend", "megatron", *parallel]
     flags += ["--actor-num-gpus-per-node", "2", "--rollout-batch-size", "8"]
     flags += ["--n-samples-per-prompt", "4", "--max-tokens-per-gpu", "256", "--seed", "7"]
     flags += ["--num-rollout", "2", "--output-dir", "out", "--save", "ckpt"]

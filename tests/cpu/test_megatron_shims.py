@@ -5,7 +5,10 @@ Proves: ``apply_cpu_shims`` is idempotent; RoPE's ``get_emb`` runs (``current_de
 seeds named CPU streams, forks them without disturbing the default stream, replays
 dropout exactly under megatron's activation recomputation, and a real ``GPTModel``
 with attention dropout trains reproducibly; the attention softmax builds its causal
-mask on the CPU; megatron's grad-norm and clip functions give torch's numbers. Each
+mask on the CPU; megatron's grad-norm and clip functions give torch's numbers;
+megatron's 1F1B pipeline schedule runs (its token counter) and gives a plain loop's
+gradient; tied embeddings over two pipeline stages are copied to the last stage on
+the host. Each
 test fails (raises on a CUDA call, or gets different numbers) if its shim stops
 working. Skipped where CUDA exists: the shims are then off by design.
 """
@@ -173,3 +176,84 @@ def test_grad_norm_and_clip() -> None:
     for g, b in zip(grads, before, strict=True):
         torch.testing.assert_close(g, b * (norm / 2) / (norm + 1e-6))
     assert clip_grads.get_grad_norm_fp32(grads) == pytest.approx(norm / 2, rel=1e-5)
+
+
+def test_pipeline_schedule_counts_tokens_on_cpu() -> None:
+    """megatron-core's non-interleaved 1F1B schedule (one stage here) allocates its token
+    counter with ``device="cuda"``; with the shim it runs and leaves the same gradient as
+    a plain loop over the micro-batches."""
+    from megatron.core.pipeline_parallel.schedules import (
+        forward_backward_pipelining_without_interleaving as one_f_one_b,
+    )
+    from tiny_models import tiny_qwen3_config
+
+    from vime.backends.megatron.convert import transformer_config_from_hf
+
+    assert shims._TorchWithCpuFactories.zeros([], device="cuda").device.type == "cpu"
+    config = tiny_qwen3_config(vocab_size=32)
+    tcfg, _ = transformer_config_from_hf(
+        config,
+        variable_seq_lengths=True,
+        calculate_per_token_loss=True,
+        moe_token_dispatcher_type="alltoall",
+    )
+    torch.manual_seed(0)
+    model = mmodel.build_gpt_model(config, tcfg)
+    rows = [torch.randint(0, 32, (1, n)) for n in (5, 9, 7)]
+
+    def loss_of(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return logits.float().logsumexp(-1).mean()
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        return model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)
+
+    for ids in rows:
+        loss_of(ids, forward(ids)).backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    data = iter(rows)
+
+    def forward_step(iterator, _model):
+        ids = next(iterator)
+        return forward(ids), lambda out: (loss_of(ids, out), torch.ones((), dtype=torch.int), {})
+
+    one_f_one_b(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=model,
+        num_microbatches=len(rows),
+        seq_length=1,
+        micro_batch_size=1,
+    )
+    for expected, param in zip(plain, model.parameters(), strict=True):
+        torch.testing.assert_close(param.grad, expected, rtol=1e-6, atol=1e-7)
+
+
+def _tied_stages_job(rank: int, world: int) -> dict:
+    from tiny_models import tiny_llama_config
+
+    from vime.backends.megatron.convert import transformer_config_from_hf
+
+    mmodel.init_model_parallel(tp=1, pp=2, seed=5)
+    config = tiny_llama_config(vocab_size=32, tie=True)
+    tcfg, _ = transformer_config_from_hf(config, pipeline_model_parallel_size=2)
+    torch.manual_seed(rank)  # the two stages initialise different random embeddings
+    model = mmodel.build_gpt_model(config, tcfg, pre_process=rank == 0, post_process=rank == 1)
+    weight = model.shared_embedding_or_output_weight().detach().clone()
+    others = [torch.empty_like(weight) for _ in range(world)]
+    torch.distributed.all_gather(others, weight)
+    return {"stages": others, "device": str(weight.device)}
+
+
+def test_tied_embeddings_copied_to_the_last_stage(tmp_path) -> None:
+    """With tied embeddings over two pipeline stages, ``setup_embeddings_and_output_layer``
+    moves the last stage's copy to ``.cuda()`` before all-reducing it from the first; with
+    the shim the copy stays on the host and equals the first stage's embeddings."""
+    from actor_harness import spawn
+
+    got = spawn(_tied_stages_job, 2, tmp_path)
+    first, last = got["stages"]
+    assert got["device"] == "cpu"
+    assert first.abs().sum() > 0
+    assert torch.equal(first, last)

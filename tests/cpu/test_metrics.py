@@ -5,7 +5,9 @@ micro-batches give exactly the means of one big batch (where a plain mean of
 per-micro-batch means would not); two simulated ranks' ``to_tensor`` summed
 (what an ``all_reduce(SUM)`` does) and rebuilt with ``from_tensor`` give the
 global means; ``merge`` is the same as adding everything to one accumulator;
-zero-weight names are omitted; NaN at masked positions is ignored.
+zero-weight names are omitted; NaN at masked positions is ignored; ``all_reduce`` over
+two real gloo ranks that hold different names (a pipeline stage without the loss)
+sums each name over the ranks that have it.
 """
 
 from __future__ import annotations
@@ -133,3 +135,24 @@ def test_values_are_detached_and_shapes_checked():
         acc.add_tokens("x", v, torch.ones(2, 3))
     with pytest.raises(ValueError, match="values and weights sizes differ: 2 vs 3"):
         acc.add_samples("y", torch.ones(2), weights=torch.ones(3))
+
+
+def _all_reduce_job(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    acc = MetricAccumulator()
+    acc.add("loss", 1.0 + rank, 0.5)
+    if rank == 1:  # only the last pipeline stage computes the loss's metrics
+        acc.add_samples("entropy", torch.tensor([2.0, 4.0]))
+    before = acc.means()
+    reduced = acc.all_reduce()
+    return {"means": reduced.means(), "unchanged": acc.means() == before}
+
+
+def test_all_reduce_over_ranks_with_different_names(tmp_path) -> None:
+    from actor_harness import spawn
+
+    got = spawn(_all_reduce_job, 2, tmp_path)
+    assert got["means"] == pytest.approx({"loss": (1.0 + 2.0) / 1.0, "entropy": 3.0})
+    assert got["unchanged"]

@@ -4,7 +4,9 @@ Proves that biases and 1-D weights are never decayed while every matrix is,
 that the schedule hits its documented values (warmup ramp, linear and cosine
 end points, floor at min_lr) and depends on samples, not steps, and that the
 step chokepoint clips to the given norm, skips a non-finite update without
-touching the weights, and always leaves the gradients cleared.
+touching the weights, and always leaves the gradients cleared -- also those of
+parameters another rank's optimizer updates; and that ``partition_params`` gives
+every rank a share, balanced within the largest parameter, the same on every call.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import math
 import pytest
 import torch
 
-from vime.backends.optim import LRSchedule, decays, optimizer_step, param_groups
+from vime.backends.optim import (
+    LRSchedule,
+    decays,
+    optimizer_step,
+    param_groups,
+    partition_params,
+)
 
 
 def test_no_decay_rule() -> None:
@@ -89,3 +97,35 @@ def test_non_finite_norm_skips_and_clears() -> None:
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
     assert all(p.grad is None for p in params)
     assert not opt.state  # AdamW never stepped: no moments polluted by NaN
+
+
+def test_step_of_a_partial_optimizer_clears_every_gradient() -> None:
+    """Optimizer state sharded over ranks: this rank's AdamW holds only some parameters,
+    but the step clips and clears the gradients of all of them."""
+    model = _model_with_grads(1.0)
+    weight, bias = model.parameters()
+    before = bias.detach().clone()
+    opt = torch.optim.SGD([weight], lr=0.0)
+    norm = torch.nn.utils.get_total_norm([weight.grad, bias.grad])
+    optimizer_step(opt, [weight, bias], norm, clip_grad=1.0, lr=1.0)
+    assert weight.grad is None and bias.grad is None
+    assert torch.equal(bias.detach(), before)  # not this rank's to update
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+def test_partition_balances_and_covers(parts: int) -> None:
+    import random
+
+    rng = random.Random(parts)
+    sizes = [rng.choice([64, 4096, 8192, 128, 65536]) for _ in range(40)]
+    owners = partition_params(sizes, parts)
+    assert owners == partition_params(list(sizes), parts)  # deterministic
+    assert sorted(set(owners)) == list(range(parts))  # every part gets some
+    loads = [sum(s for s, o in zip(sizes, owners, strict=True) if o == p) for p in range(parts)]
+    assert max(loads) - min(loads) <= max(sizes)
+    assert sum(loads) == sum(sizes)
+
+
+def test_partition_rejects_no_parts() -> None:
+    with pytest.raises(ValueError, match="parts must be >= 1"):
+        partition_params([1, 2], 0)

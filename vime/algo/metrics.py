@@ -1,9 +1,9 @@
 """Weighted metric reduction across micro-batches and data-parallel ranks.
 
 Where it fits: a backend's ``train`` adds each micro-batch's metrics
-(clipfrac, ppo_kl, entropy, ...) to one :class:`MetricAccumulator`, then, for
-the cross-rank step, all-reduces ``to_tensor()`` with SUM on its own process
-group and rebuilds the result with ``from_tensor``. Every metric is kept as
+(clipfrac, ppo_kl, entropy, ...) to one :class:`MetricAccumulator`, then sums it
+over ranks with :meth:`MetricAccumulator.all_reduce` (or all-reduces
+``to_tensor()`` itself where every rank is known to hold the same names). Every metric is kept as
 (weighted sum, total weight) rather than as a mean, so averaging over a ragged
 last micro-batch or an uneven DP split weights each token (or sample) once:
 the mean of means of unequal parts is not the mean of the whole.
@@ -103,6 +103,29 @@ class MetricAccumulator:
         sums = [self._sums[n].to(device) for n in names]
         weights = [self._weights[n].to(device) for n in names]
         return names, torch.stack(sums + weights)
+
+    def all_reduce(self, group: object = None) -> MetricAccumulator:
+        """The sum of every rank's accumulator over ``group`` (a collective: all its ranks
+        call it); self is unchanged.
+
+        Ranks may hold different names -- a pipeline stage that does not compute the
+        loss holds none of the loss's metrics -- so the names are gathered first and a
+        name a rank lacks counts as (0, 0) there.
+        """
+        import torch.distributed as dist
+
+        gathered: list[list[str] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, self.names(), group=group)
+        names = sorted({name for part in gathered for name in part or ()})
+        device = next((t.device for t in self._sums.values()), torch.device("cpu"))
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        sums = [self._sums.get(n, zero).to(device) for n in names]
+        weights = [self._weights.get(n, zero).to(device) for n in names]
+        if not names:
+            return MetricAccumulator()
+        packed = torch.stack(sums + weights)
+        dist.all_reduce(packed, group=group)
+        return MetricAccumulator.from_tensor(names, packed)
 
     @classmethod
     def from_tensor(cls, names: list[str], tensor: torch.Tensor) -> MetricAccumulator:

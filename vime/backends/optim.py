@@ -9,7 +9,7 @@ between backends (DTensor shards vs tensor-parallel shards), so it is passed in.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,26 @@ def param_groups(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
+
+
+def partition_params(sizes: Sequence[int], parts: int) -> list[int]:
+    """The owner (``0 .. parts-1``) of each of the parameters of ``sizes`` elements, for
+    optimizer state sharded over ``parts`` data-parallel ranks.
+
+    Largest first, each to the part with the fewest elements so far (the lowest index
+    on ties): the parts' totals differ by at most the largest parameter, and every part
+    gets one when there are at least ``parts`` parameters. Pure and deterministic, so
+    every rank computes the same owners from the same sizes without communicating.
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    owners = [0] * len(sizes)
+    loads = [0] * parts
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        part = min(range(parts), key=lambda p: (loads[p], p))
+        owners[index] = part
+        loads[part] += sizes[index]
+    return owners
 
 
 @dataclass(frozen=True)
@@ -101,7 +121,9 @@ def optimizer_step(
     sharded. A non-finite norm skips the update entirely — stepping would scale
     every weight by garbage and poison the next rollout — and the gradients
     are zeroed either way so nothing leaks into the next step. ``lr`` (from the
-    caller's ``LRSchedule``) is set on every group before the step.
+    caller's ``LRSchedule``) is set on every group before the step. ``optimizer``
+    may update only some of ``params`` (optimizer state sharded over ranks); the
+    gradients of all of ``params`` are clipped and cleared.
     """
     norm = float(grad_norm)
     skipped = not math.isfinite(norm)
@@ -111,5 +133,6 @@ def optimizer_step(
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for param in params:
+        param.grad = None
     return StepResult(grad_norm=norm, lr=lr, skipped=skipped)

@@ -9,8 +9,9 @@ counters, the metric reduction, ``sleep``/``wake_up`` (GPU memory parked on the
 host through ``vime.device.HostStash``), the HF export and the checkpoint commit.
 
 A backend supplies only what differs: how a packed row becomes logits
-(``_logits``), which tensors hold this rank's share of the weights
-(``_local_tensors``), how the global gradient norm is computed (``_grad_norm``),
+(``_logits``; a backend that splits the model over ranks replaces the micro-batch
+loop itself, ``_run_micro_batches``), which tensors hold this rank's share of the weights
+(``_local_tensors``), how the global gradient norm is computed (``grad_norm``),
 what must happen to gradients after backward (``_finish_grads``: megatron sums
 data-parallel and partial tensor-parallel grads there; FSDP2 has already
 reduce-scattered), what to free before sleeping (``_release_gathered``: FSDP2's
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,8 @@ from vime.device import HostStash
 from vime.weights.hf_export import save_hf_folder
 
 PerSample = dict[int, torch.Tensor]
+# (sample indices, packed micro-batch, log-probs, entropy or None) -> the micro-batch's loss
+MicroBatchFn = Callable[[tuple[int, ...], Any, torch.Tensor, Any], Any]
 
 
 class PolicyTrainActor(TrainActor):
@@ -135,15 +139,41 @@ class PolicyTrainActor(TrainActor):
             for local, value in zip(self._local_tensors(), tensors, strict=True):
                 local.copy_(value)
 
-    def _forward(self, batch: Any, indices: tuple[int, ...]) -> tuple[Any, torch.Tensor, Any]:
-        packed = batch.pack(indices, pad_to_multiple_of=self.row_multiple).to(self.device)
-        logp, entropy = response_log_probs(
-            self._logits(packed).float(),
+    def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
+        return batch.pack(indices, pad_to_multiple_of=self.row_multiple).to(self.device)
+
+    def _log_probs(
+        self, logits: torch.Tensor, packed: Any, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token response log-probs (and entropy) of a packed micro-batch's logits."""
+        return response_log_probs(
+            logits.float(),
             packed,
             temperature=self.args.rollout_temperature,
-            with_entropy=True,
+            with_entropy=with_entropy,
         )
-        return packed, logp, entropy
+
+    def _run_micro_batches(
+        self,
+        batch: Any,
+        micro_batches: Sequence[tuple[int, ...]],
+        consume: MicroBatchFn,
+        *,
+        backward: bool,
+    ) -> None:
+        """Forward each micro-batch in order and hand its log-probs to ``consume``.
+
+        ``consume(indices, packed, logp, entropy)`` returns the micro-batch's loss,
+        which is backpropagated when ``backward`` (entropy is computed only then). A
+        backend that splits the model over ranks (megatron's pipeline) replaces this
+        with a schedule that calls ``consume`` only where the logits are.
+        """
+        for indices in micro_batches:
+            packed = self._pack(batch, indices)
+            logp, entropy = self._log_probs(self._logits(packed), packed, with_entropy=backward)
+            loss = consume(indices, packed, logp, entropy)
+            if backward:
+                loss.backward()
 
     @torch.no_grad()
     def compute_log_probs(self, schedule: TrainSchedule, which: str) -> PerSample:
@@ -157,12 +187,14 @@ class PolicyTrainActor(TrainActor):
             actor_copies = self._host_copies()
             self._swap_in(self.ref_shards)
         out: PerSample = {}
+
+        def record(indices: tuple[int, ...], packed: Any, logp: torch.Tensor, _: Any) -> None:
+            for row, i in enumerate(indices):
+                out[i] = logp[row, : int(packed.response_lengths[row])].cpu()
+
         try:
             for micro_batches in schedule.plan.for_rank(self.dp_rank):
-                for indices in micro_batches:
-                    packed, logp, _ = self._forward(schedule.batch, indices)
-                    for row, i in enumerate(indices):
-                        out[i] = logp[row, : int(packed.response_lengths[row])].cpu()
+                self._run_micro_batches(schedule.batch, micro_batches, record, backward=False)
         finally:
             if which == "ref":
                 self._swap_in(actor_copies)
@@ -188,10 +220,9 @@ class PolicyTrainActor(TrainActor):
             metrics.add("loss", step_loss / self.loss_replicas, share)
             metrics.add("grad_norm", share * (0.0 if result.skipped else result.grad_norm), share)
             metrics.add("lr", share * result.lr, share)
-        names, packed_metrics = metrics.to_tensor()
-        # Per-micro-batch metrics are (sum, weight) pairs, so TP copies cancel in the mean.
-        dist.all_reduce(packed_metrics)
-        means = MetricAccumulator.from_tensor(names, packed_metrics).means()
+        # Per-micro-batch metrics are (sum, weight) pairs, so TP copies cancel in the mean;
+        # pipeline stages without the loss have none of them.
+        means = metrics.all_reduce().means()
         out = {f"train/{name}": value for name, value in means.items()}
         out["train/skipped_steps"] = float(skipped)
         return out
@@ -215,8 +246,11 @@ class PolicyTrainActor(TrainActor):
         step = schedule.plan.steps[step_index]
         norm = Normalizers(step.num_tokens, step.num_samples, step.max_response_len)
         step_loss = 0.0
-        for indices in step.for_rank(self.dp_rank):
-            packed, logp, entropy = self._forward(batch, indices)
+
+        def loss_of(
+            indices: tuple[int, ...], packed: Any, logp: torch.Tensor, entropy: Any
+        ) -> torch.Tensor:
+            nonlocal step_loss
             width = logp.shape[1]
             rollout_logp = batch.rollout_log_probs_of(indices, width)
             loss, micro_metrics = micro_batch_loss(
@@ -230,9 +264,11 @@ class PolicyTrainActor(TrainActor):
                 rollout_logp=None if rollout_logp is None else rollout_logp.to(self.device),
                 entropy=entropy,
             )
-            loss.backward()
             step_loss += float(loss.detach())
             metrics.merge(micro_metrics)
+            return loss
+
+        self._run_micro_batches(batch, step.for_rank(self.dp_rank), loss_of, backward=True)
         self._finish_grads()
         return step_loss
 

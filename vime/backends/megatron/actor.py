@@ -14,13 +14,21 @@ Parallelism: tensor parallel (TP) inside megatron-core's layers; data parallel
 global normalizers make that sum the full-batch gradient). Sequence parallel
 (``--megatron-sequence-parallel``) is megatron-core's, with rows padded to a
 multiple of TP and the norms' partial gradients summed over TP here; activation
-recompute is megatron-core's too (``recompute_fields``). Pipeline parallel and
-the distributed optimizer are not built yet and are rejected when the flags are
-parsed (``flags.py``).
+recompute is megatron-core's too (``recompute_fields``). Pipeline parallel (PP)
+splits the layers into stages (``pipeline.py``) and runs each step's micro-batches
+through megatron-core's 1F1B schedule; only the last stage computes the loss, and
+its log-probs are broadcast to the other stages.
 
 Optimizer: torch ``AdamW`` over the local (TP-sharded) parameters with the same
 decay groups as fsdp2 (megatron-core's optimizer needs CUDA). AdamW is
-elementwise, so sharded AdamW is the same update as unsharded AdamW.
+elementwise, so sharded AdamW is the same update as unsharded AdamW. With
+``--megatron-use-distributed-optimizer`` the AdamW state is also sharded over the
+DP replicas, by whole parameters (``optim.partition_params``, balanced by size):
+each rank steps only its share -- the gradients are already summed over DP, so it
+is the same update -- and broadcasts it to the other replicas. The moments, two
+fp32 copies of the weights, shrink by the DP size; the gradient all-reduce stays
+(megatron-core's own ``DistributedOptimizer``, which reduce-scatters gradients into
+its DDP wrapper's main-grad buffers, is not used: vime's gradients live in ``.grad``).
 
 Checkpoints: megatron-core's own ``dist_checkpointing`` (``checkpoint.py``), in
 the folder ``vime.checkpoint`` hands out and commits (``iter_N`` + tracker, written
@@ -45,10 +53,12 @@ import torch.distributed as dist
 
 from vime import device as vime_device
 from vime.backends.megatron import checkpoint as mcheckpoint
-from vime.backends.megatron import convert
+from vime.backends.megatron import convert, pipeline
 from vime.backends.megatron import model as mmodel
 from vime.backends.megatron.shims import apply_cpu_shims
-from vime.backends.policy_actor import PolicyTrainActor
+from vime.backends.optim import StepResult, partition_params
+from vime.backends.policy_actor import MicroBatchFn, PerSample, PolicyTrainActor
+from vime.data.batch import TrainSchedule
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 
 
@@ -84,7 +94,8 @@ def recompute_fields(granularity: str) -> dict[str, Any]:
 
 
 class MegatronActor(PolicyTrainActor):
-    """megatron-core ``GPTModel``, tensor parallel inside, data parallel by gradient sum."""
+    """megatron-core ``GPTModel``: tensor and pipeline parallel inside, data parallel by
+    gradient sum."""
 
     backend_name = "megatron"
 
@@ -96,11 +107,16 @@ class MegatronActor(PolicyTrainActor):
 
         apply_cpu_shims()
         self.tp = int(args.megatron_tensor_parallel_size)
+        self.pp = int(args.megatron_pipeline_parallel_size)
         self.loss_replicas = self.tp  # every TP rank of a replica computes the same loss
         sequence_parallel = bool(args.megatron_sequence_parallel)
         # Sequence parallel splits each row's tokens over the TP ranks.
         self.row_multiple = self.tp if sequence_parallel else 1
-        mmodel.init_model_parallel(tp=self.tp, pp=1, seed=args.seed)
+        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        num_layers = int(self.hf_config.num_hidden_layers)
+        pipeline.Stage(0, self.pp, num_layers, tied)  # fail before any group is made
+        mmodel.init_model_parallel(tp=self.tp, pp=self.pp, seed=args.seed)
         from megatron.core import parallel_state as ps
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -110,28 +126,56 @@ class MegatronActor(PolicyTrainActor):
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
         self._dp_rank = ps.get_data_parallel_rank()
-        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.stage = pipeline.Stage(pp_rank, self.pp, num_layers, tied)
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
+        # The group whose ranks hold different parts of one replica's gradient.
+        self.mp_group = ps.get_model_parallel_group() if self.pp > 1 else self.tp_group
         tcfg, _ = convert.transformer_config_from_hf(
             self.hf_config,
             tp=self.tp,
             params_dtype=torch.float32,
             sequence_parallel=sequence_parallel,
+            pipeline_model_parallel_size=self.pp,
+            # Packed rows differ in length; vime's loss carries its own normalizers.
+            variable_seq_lengths=self.pp > 1,
+            calculate_per_token_loss=self.pp > 1,
+            # Dense models have no MoE, but megatron-core refuses variable_seq_lengths
+            # beside its default (allgather) token dispatcher.
+            **({"moe_token_dispatcher_type": "alltoall"} if self.pp > 1 else {}),
             **recompute_fields(args.megatron_recompute_granularity),
         )
-        self.model = mmodel.build_gpt_model(self.hf_config, tcfg)
-        # Every rank reads the checkpoint and keeps its TP shard (fine on the host).
-        hf_state = read_hf_state(args.hf_checkpoint)
-        mmodel.load_megatron_state(
-            self.model, convert.hf_to_megatron(hf_state, self.hf_config, self.tp_rank, self.tp)
+        self.model = mmodel.build_gpt_model(
+            self.hf_config, tcfg, pre_process=self.stage.is_first, post_process=self.stage.is_last
         )
+        # Every rank reads the checkpoint and keeps its stage's TP shard (fine on the host).
+        hf_state = read_hf_state(args.hf_checkpoint)
+        self.hf_shapes = {name: tuple(t.shape) for name, t in hf_state.items()}
+        full = convert.hf_to_megatron(hf_state, self.hf_config, self.tp_rank, self.tp)
         del hf_state
+        local_keys = [k for k in self.model.state_dict() if not k.endswith("_extra_state")]
+        mmodel.load_megatron_state(
+            self.model, {k: full[self.stage.global_name(k)] for k in local_keys}
+        )
+        del full
         self.model.train()
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
-        self.maps = {pm.megatron: pm for pm in convert.param_map(self.hf_config)}
-        missing = [n for n, _ in self.named_params if n not in self.maps]
+        self.global_maps = convert.param_map(self.hf_config)
+        by_name = {pm.megatron: pm for pm in self.global_maps}
+        missing = [n for n, _ in self.named_params if self.stage.global_name(n) not in by_name]
         if missing:
             raise ValueError(f"megatron parameters without an HF counterpart: {missing[:8]}")
+        self.maps = {n: by_name[self.stage.global_name(n)] for n, _ in self.named_params}
+        # Tied embeddings over several stages: the first stage's embedding and the last
+        # stage's copy, whose gradients are summed over the embedding group.
+        self.embedding_pair = [
+            p
+            for n, p in self.named_params
+            if self.pp > 1 and tied and (n == pipeline.EMBEDDING or self.stage.is_tied_copy(n))
+        ]
+        self.embedding_group = ps.get_embedding_group() if self.embedding_pair else None
         # Replicated parameters whose gradient each TP rank only partly computes: the QK
         # norms act on this rank's heads only, and under sequence parallel every norm sees
         # this rank's slice of the sequence only (megatron-core's finalize_model_grads sums
@@ -142,7 +186,17 @@ class MegatronActor(PolicyTrainActor):
             if self.tp > 1
             and ("q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))
         ]
-        self._setup_training(self.named_params)
+        # --megatron-use-distributed-optimizer: each DP rank keeps AdamW state for its share.
+        self.param_owner: list[int] | None = None
+        if args.megatron_use_distributed_optimizer and self.dp_size > 1:
+            self.param_owner = partition_params([p.numel() for p in self.params], self.dp_size)
+            self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
+        self.optimized = [
+            (n, p)
+            for i, (n, p) in enumerate(self.named_params)
+            if self.param_owner is None or self.param_owner[i] == self._dp_rank
+        ]
+        self._setup_training(self.optimized)
         return self._start_rollout()
 
     @property
@@ -154,30 +208,97 @@ class MegatronActor(PolicyTrainActor):
     def _logits(self, packed: Any) -> torch.Tensor:
         return mmodel.packed_logits(self.model, packed)
 
+    def _run_micro_batches(
+        self,
+        batch: Any,
+        micro_batches: Any,
+        consume: MicroBatchFn,
+        *,
+        backward: bool,
+    ) -> None:
+        """Without pipelining, the shared loop; with it, megatron-core's 1F1B schedule,
+        ``consume`` running on the last stage only."""
+        if self.pp == 1:
+            super()._run_micro_batches(batch, micro_batches, consume, backward=backward)
+            return
+        items = [(indices, self._pack(batch, indices)) for indices in micro_batches]
+
+        def last_stage_loss(item: tuple, output: torch.Tensor) -> torch.Tensor:
+            indices, packed = item
+            logits = mmodel.full_vocab_logits(self.model, output)
+            logp, entropy = self._log_probs(logits, packed, with_entropy=backward)
+            loss = consume(indices, packed, logp, entropy)
+            return logp.new_zeros(()) if loss is None else loss
+
+        pipeline.run_schedule(
+            self.model,
+            items,
+            lambda item: mmodel.stage_forward(self.model, item[1]),
+            last_stage_loss,
+            forward_only=not backward,
+        )
+
+    @torch.no_grad()
+    def compute_log_probs(self, schedule: TrainSchedule, which: str) -> PerSample:
+        """As ``PolicyTrainActor``'s; with pipelining the last stage computes them and
+        sends them to the other stages of its replica."""
+        out = super().compute_log_probs(schedule, which)
+        if self.pp > 1:
+            box = [out]
+            dist.broadcast_object_list(box, src=self.pp_ranks[-1], group=self.pp_group)
+            out = box[0]
+        return out
+
     def _local_tensors(self) -> list[torch.Tensor]:
         return self.params
 
     def _finish_grads(self) -> None:
-        """Sum the step's gradient over the DP group, and the partial QK-norm grads over TP."""
+        """Sum the step's gradient over the DP group, the partial QK-norm grads over TP,
+        and tied embeddings' two halves over the first and last pipeline stages."""
         for param in self.params:
             if param.grad is None:  # e.g. a rank whose share was empty: still take part
                 param.grad = torch.zeros_like(param)
         for param in self.tp_partial:
             dist.all_reduce(param.grad, group=self.tp_group)
+        for param in self.embedding_pair:
+            dist.all_reduce(param.grad, group=self.embedding_group)
         if self.dp_size > 1:
             for param in self.params:
                 dist.all_reduce(param.grad, group=self.dp_group)
 
+    def _optimizer_step(self, num_samples: int) -> StepResult:
+        """The shared chokepoint; with the distributed optimizer each rank has updated
+        only its share, and every share is then broadcast to the other DP replicas."""
+        result = super()._optimizer_step(num_samples)
+        if self.param_owner is not None and not result.skipped:
+            self._broadcast_shares()
+        return result
+
+    @torch.no_grad()
+    def _broadcast_shares(self) -> None:
+        """Each DP rank's freshly updated parameters to every DP replica, one flat
+        buffer per owner (a collective over the DP group)."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        for owner in range(self.dp_size):
+            share = [p for p, o in zip(self.params, self.param_owner, strict=True) if o == owner]
+            flat = _flatten_dense_tensors([p.detach() for p in share])
+            dist.broadcast(flat, src=self.dp_ranks[owner], group=self.dp_group)
+            if owner != self._dp_rank:
+                for param, value in zip(share, _unflatten_dense_tensors(flat, share), strict=True):
+                    param.copy_(value)
+
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the gradients: TP shards summed, TP-replicated params once."""
+        """Global L2 norm of the gradients: TP shards and pipeline stages summed, TP-replicated
+        params and the last stage's copy of tied embeddings counted once."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for param in self.params:
-            if param.grad is None:
+        for name, param in self.named_params:
+            if param.grad is None or self.stage.is_tied_copy(name):
                 continue
             if getattr(param, "tensor_model_parallel", False) or self.tp_rank == 0:
                 total += param.grad.detach().double().pow(2).sum()
-        if self.tp > 1:
-            dist.all_reduce(total, group=self.tp_group)
+        if self.tp * self.pp > 1:
+            dist.all_reduce(total, group=self.mp_group)
         return total.sqrt().float()
 
     # ----- weights out ---------------------------------------------------------------------
@@ -198,29 +319,42 @@ class MegatronActor(PolicyTrainActor):
     def _hf_entries(
         self, dtype: torch.dtype, tensor_of: Callable[[str, torch.Tensor], torch.Tensor]
     ) -> Iterator[WeightEntry]:
-        """One lazy entry per HF tensor; the entries of one megatron parameter share a gather.
+        """One lazy entry per HF tensor of the whole model, in ``convert.param_map`` order.
 
-        ``tensor_of(name, param)`` picks what is gathered: the weights for the weight
-        source, or any tensor sharded like them (the tests gather AdamW moments so).
+        The entries of one megatron parameter share a TP gather; with pipelining, each
+        tensor is then broadcast from the stage that holds it to the other stages of the
+        replica, so every rank yields every tensor. ``tensor_of(name, param)`` picks what
+        is gathered: the weights for the weight source, or any tensor sharded like them
+        (the tests gather AdamW moments so).
         """
-        for name, param in self.named_params:
-            local = tensor_of(name, param)
-            # Shapes from a gather of meta tensors: sizes are known before any communication.
-            meta = [torch.empty(local.shape, dtype=dtype, device="meta")] * self.tp
-            shapes = convert.gather_hf(self.maps[name], meta, self.hf_config)
+        local_of = {
+            self.stage.global_name(n): (n, p)
+            for n, p in self.named_params
+            if not self.stage.is_tied_copy(n)
+        }
+        for pm in self.global_maps:
+            owner = self.stage.owner(pm.megatron)
             cache: dict[str, torch.Tensor] = {}
 
             def materialize(
-                hf_name: str, name: str = name, local: torch.Tensor = local, cache: dict = cache
+                hf_name: str, pm: Any = pm, owner: int = owner, cache: dict = cache
             ) -> torch.Tensor:
-                if not cache:
-                    cache.update(self._gather_hf(name, local))
-                return cache.pop(hf_name).to(dtype)
+                if owner == self.stage.rank:
+                    if not cache:
+                        name, param = local_of[pm.megatron]
+                        cache.update(self._gather_hf(name, tensor_of(name, param)))
+                    tensor = cache.pop(hf_name).to(dtype)
+                else:
+                    tensor = torch.empty(self.hf_shapes[hf_name], dtype=dtype, device=self.device)
+                if self.pp > 1:
+                    tensor = tensor.contiguous()
+                    dist.broadcast(tensor, src=self.pp_ranks[owner], group=self.pp_group)
+                return tensor
 
-            for hf_name, shape_of in shapes:
+            for hf_name in pm.hf:
                 yield WeightEntry(
                     hf_name,
-                    tensor_nbytes(shape_of.shape, dtype),
+                    tensor_nbytes(self.hf_shapes[hf_name], dtype),
                     lambda h=hf_name, m=materialize: m(h),
                 )
 
@@ -236,26 +370,32 @@ class MegatronActor(PolicyTrainActor):
     def _state(self) -> dict[str, Any]:
         """megatron-core's sharded state dict of the weights, AdamW moments and step."""
         return mcheckpoint.sharded_state(
-            self.model, self.named_params, self.optimizer, with_optimizer=self.optimizer_steps > 0
+            self.model,
+            self.optimized,
+            self.optimizer,
+            with_optimizer=self.optimizer_steps > 0,
+            dp_sharded=self.param_owner is not None,
         )
 
     def _write_state(self, folder: Path) -> None:
         mcheckpoint.save(self._state(), folder)
 
     def _checkpoint_extra(self) -> dict[str, Any]:
-        return {"tp": self.tp}
+        return {"tp": self.tp, "pp": self.pp}
 
     def _load(self, load_dir: str) -> int:
         """Restore the newest checkpoint under ``load_dir``; return its rollout id."""
         rollout_id, folder, meta = self._open_checkpoint(load_dir)
         mcheckpoint.load(
             self.model,
-            self.named_params,
+            self.optimized,
             self.optimizer,
             folder,
             with_optimizer=self.optimizer_steps > 0,
+            dp_sharded=self.param_owner is not None,
         )
-        if int(meta["world_size"]) == self.world and meta["extra"].get("tp") == self.tp:
+        layout = (meta["world_size"], meta["extra"].get("tp"), meta["extra"].get("pp", 1))
+        if layout == (self.world, self.tp, self.pp):
             self._restore_rng(folder)
         elif self.rank == 0:
             print(

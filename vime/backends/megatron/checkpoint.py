@@ -17,6 +17,9 @@ sharded entry with the moment as data and the key prefixed ``optimizer.<moment>.
 (megatron-core's ``make_sharded_optimizer_tensor``, what its own optimizers do). The
 step count is one number shared by every parameter and rank: common state
 (``common.pt``, written by rank 0). A never-stepped AdamW has no state and saves none.
+With the distributed optimizer each data-parallel rank holds the moments of its
+share of the parameters and saves exactly those; the files do not record who held
+what, so such a checkpoint loads with or without it, at any DP size.
 
 Vocab padding: the padded vocabulary grows with TP (64 tokens -> 128 rows at TP=1,
 256 at TP=2). For an ``allow_shape_mismatch`` tensor megatron-core zeroes the target
@@ -29,6 +32,7 @@ update (weight decay of zero is zero).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,15 +49,19 @@ NamedParams = list[tuple[str, torch.nn.Parameter]]
 
 def sharded_state(
     model: torch.nn.Module,
-    named_params: NamedParams,
+    optimized: NamedParams,
     optimizer: torch.optim.Optimizer,
     *,
     with_optimizer: bool,
+    dp_sharded: bool = False,
 ) -> dict[str, Any]:
     """This rank's sharded state dict: the model's, plus the AdamW moments and step.
 
-    ``with_optimizer`` needs a populated ``optimizer.state`` for every parameter (real
-    moments to save, or templates of the right shapes to load into).
+    ``optimized`` are the parameters whose AdamW state this rank holds: all of its
+    parameters, or with ``dp_sharded`` (the distributed optimizer) its data-parallel
+    share, whose moments this rank then saves as their main replica. ``with_optimizer``
+    needs a populated ``optimizer.state`` for each of them (real moments to save, or
+    templates of the right shapes to load into).
     """
     model_state = model.sharded_state_dict()
     state: dict[str, Any] = {"model": model_state}
@@ -61,16 +69,31 @@ def sharded_state(
         optim: dict[str, Any] = {
             moment: {
                 name: make_sharded_optimizer_tensor(
-                    model_state[name], optimizer.state[param][moment], f"optimizer.{moment}"
+                    _dp_main(model_state[name]) if dp_sharded else model_state[name],
+                    optimizer.state[param][moment],
+                    f"optimizer.{moment}",
                 )
-                for name, param in named_params
+                for name, param in optimized
             }
             for moment in ADAM_MOMENTS
         }
         # Common state: one value, the same on every rank (dist_checkpointing checks that).
-        optim["step"] = optimizer.state[named_params[0][1]]["step"].detach().clone()
+        optim["step"] = optimizer.state[optimized[0][1]]["step"].detach().clone()
         state["optimizer"] = optim
     return state
+
+
+def _dp_main(sharded: Any) -> Any:
+    """``sharded`` (a model entry) marked as the data-parallel main replica.
+
+    megatron-core's replica ids of dense-model parameters are ``(0, tp_replica,
+    dp_rank)``: the DP replica with rank 0 saves the weight. A moment of the
+    distributed optimizer lives on one DP rank only, its owner, which must save it;
+    the TP part of the id is kept, so one TP rank still saves a TP-replicated moment.
+    """
+    replica = sharded.replica_id
+    main = (*replica[:-1], 0) if isinstance(replica, tuple) else 0
+    return dataclasses.replace(sharded, replica_id=main)
 
 
 def save(state: dict[str, Any], folder: Path) -> None:
@@ -118,27 +141,34 @@ def in_process_results_queue() -> Iterator[None]:
 
 def load(
     model: torch.nn.Module,
-    named_params: NamedParams,
+    optimized: NamedParams,
     optimizer: torch.optim.Optimizer,
     folder: Path,
     *,
     with_optimizer: bool,
+    dp_sharded: bool = False,
 ) -> None:
-    """Restore weights (and AdamW moments and step) from ``folder`` at this rank's TP shard.
+    """Restore weights (and the AdamW moments of ``optimized`` and the step) from
+    ``folder`` at this rank's TP shard and pipeline stage (``dp_sharded`` as for
+    ``sharded_state``).
 
-    A collective over every rank. Strict both ways: a tensor the model expects but the
-    checkpoint lacks, or one the checkpoint has but nothing here reads, is an error.
+    A collective over every rank. Strict both ways: a tensor the ranks expect but the
+    checkpoint lacks, or one the checkpoint has but no rank reads, is an error. Which
+    rank saved a moment does not matter: a distributed-optimizer checkpoint loads
+    without it and the other way round, at any DP size.
     """
     if with_optimizer:  # templates for the moments (any values, right shapes)
-        for _, param in named_params:
+        for _, param in optimized:
             optimizer.state[param] = {m: torch.zeros_like(param) for m in ADAM_MOMENTS}
             optimizer.state[param]["step"] = torch.zeros((), dtype=torch.float32)
-    state = sharded_state(model, named_params, optimizer, with_optimizer=with_optimizer)
+    state = sharded_state(
+        model, optimized, optimizer, with_optimizer=with_optimizer, dp_sharded=dp_sharded
+    )
     loaded = dist_checkpointing.load(state, str(folder), strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(loaded["model"], strict=True)
     if with_optimizer:
         optim = loaded["optimizer"]
-        for name, param in named_params:
+        for name, param in optimized:
             optimizer.state[param] = {
                 "step": optim["step"].clone(),
                 **{m: optim[m][name].contiguous() for m in ADAM_MOMENTS},

@@ -8,6 +8,8 @@ Argparse only: importing this module must not import torch or megatron-core.
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from vime.config.errors import ConfigError
 
@@ -24,7 +26,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--megatron-pipeline-parallel-size",
         type=int,
         default=1,
-        help="pipeline-parallel stages (only 1 is supported yet)",
+        help="pipeline-parallel stages: the layers are split evenly over them (1F1B schedule)",
     )
     g.add_argument(
         "--megatron-sequence-parallel",
@@ -34,7 +36,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--megatron-use-distributed-optimizer",
         action="store_true",
-        help="shard optimizer state over data-parallel ranks (not supported yet)",
+        help="shard the AdamW state over data-parallel ranks: each updates its share of "
+        "the parameters and broadcasts it (no effect with one replica)",
     )
     g.add_argument(
         "--megatron-recompute-granularity",
@@ -60,20 +63,22 @@ def validate(args: argparse.Namespace) -> int:
         )
     if args.megatron_sequence_parallel and tp == 1:
         raise ConfigError("--megatron-sequence-parallel needs --megatron-tensor-parallel-size > 1")
-    _reject_unbuilt(args)
+    _check_layers(args, pp)
     return world // (tp * pp)
 
 
-def _reject_unbuilt(args: argparse.Namespace) -> None:
-    """The flags megatron-core offers that this backend does not run yet: fail at parse
-    time, before Ray starts, rather than in every training rank."""
-    if args.megatron_pipeline_parallel_size != 1:
+def _check_layers(args: argparse.Namespace, pp: int) -> None:
+    """Pipeline stages take equal runs of layers: P must divide the model's layer count,
+    read from the checkpoint's ``config.json`` (plain JSON, so parsing stays light)."""
+    if pp == 1 or not args.hf_checkpoint:
+        return
+    config = Path(args.hf_checkpoint) / "config.json"
+    try:
+        layers = int(json.loads(config.read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # the model's own loader reports an unreadable config
+    if layers % pp:
         raise ConfigError(
-            "--megatron-pipeline-parallel-size > 1 is not supported yet by the megatron "
-            "backend; use tensor and data parallelism"
-        )
-    if args.megatron_use_distributed_optimizer:
-        raise ConfigError(
-            "--megatron-use-distributed-optimizer is not supported yet by the megatron backend "
-            "(torch AdamW keeps each rank's TP-shard state); drop the flag"
+            f"--megatron-pipeline-parallel-size {pp} does not divide the {layers} layers of "
+            f"{args.hf_checkpoint}; pick a divisor of {layers}"
         )

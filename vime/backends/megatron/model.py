@@ -30,7 +30,10 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from vime import device as vime_device
 from vime.backends.megatron.convert import gpt_extra
@@ -154,10 +157,12 @@ def _with_norm(spec: Any, norm: type) -> Any:
 
 def local_block_spec(tcfg: Any) -> TransformerBlockSubmodules:
     """megatron-core's local (no TransformerEngine) GPT layers, with ``RMSNorm`` norms,
-    as a whole-block spec so the block's final norm is ``RMSNorm`` too."""
+    as a whole-block spec so the block's final norm is ``RMSNorm`` too. A block spec
+    lists this pipeline stage's layers only (all of them without pipelining)."""
     layer = get_gpt_layer_local_spec(qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
     layer = _with_norm(layer, RMSNorm)
-    return TransformerBlockSubmodules(layer_specs=[layer] * tcfg.num_layers, layer_norm=RMSNorm)
+    count = get_num_layers_to_build(tcfg)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=RMSNorm)
 
 
 def build_gpt_model(
@@ -221,15 +226,29 @@ def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ~(same & causal).unsqueeze(1)
 
 
-def packed_logits(model: PackedRowGPTModel, packed: PackedBatch) -> torch.Tensor:
-    """Logits ``[1, L, V]`` over a packed row, V the HF vocabulary (padding dropped).
+def stage_forward(model: PackedRowGPTModel, packed: PackedBatch) -> torch.Tensor:
+    """This pipeline stage's output for a packed row: vocab-parallel logits ``[1, L, V/TP]``
+    on the last stage, hidden states ``[L, 1, H]`` (``L/TP`` under sequence parallel)
+    elsewhere. Stages after the first read their input from ``set_input_tensor``.
 
-    With tensor parallelism every rank returns the full vocabulary (gathered; the
-    backward splits the gradient back). Needs a model with ``post_process``. The mask
-    is ``L x L`` booleans per row: fine for CPU-sized rows, not for long GPU rows.
+    The mask is ``L x L`` booleans per row: fine for CPU-sized rows, not for long GPU rows.
     """
     mask = block_causal_mask(packed.position_ids)
-    logits = model(packed.input_ids, packed.position_ids, mask)
+    return model(packed.input_ids, packed.position_ids, mask)
+
+
+def full_vocab_logits(model: PackedRowGPTModel, logits: torch.Tensor) -> torch.Tensor:
+    """The last stage's vocab-parallel logits over the HF vocabulary (padding dropped).
+
+    With tensor parallelism every rank gets the full vocabulary (gathered; the backward
+    splits the gradient back).
+    """
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         logits = gather_from_tensor_model_parallel_region(logits)
     return logits[..., : model.hf_vocab_size]
+
+
+def packed_logits(model: PackedRowGPTModel, packed: PackedBatch) -> torch.Tensor:
+    """Logits ``[1, L, V]`` over a packed row, V the HF vocabulary, of a whole model
+    (``pre_process`` and ``post_process``: no pipeline)."""
+    return full_vocab_logits(model, stage_forward(model, packed))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -42,6 +43,8 @@ def apply_cpu_shims() -> bool:
     _shim_rng_tracker()
     _shim_default_causal_mask()
     _shim_grad_clip()
+    _shim_pipeline_schedule()
+    _shim_tied_embedding_setup()
     _applied = True
     return True
 
@@ -254,3 +257,82 @@ def _shim_grad_clip() -> None:
         for name, fn in replacements.items():
             if hasattr(module, name):
                 setattr(module, name, fn)
+
+
+# ----- pipeline parallelism ------------------------------------------------------------------
+
+
+def _on_cpu(device: Any) -> Any:
+    """``device`` with any CUDA device replaced by the CPU."""
+    if device is not None and torch.device(device).type == "cuda":
+        return "cpu"
+    return device
+
+
+class _TorchWithCpuFactories(types.ModuleType):
+    """The ``torch`` module as one megatron-core module sees it: every attribute is
+    torch's own, except that ``zeros`` puts a ``device="cuda"`` tensor on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*size, device=_on_cpu(device), **kwargs)
+
+
+def _shim_pipeline_schedule() -> None:
+    """``pipeline_parallel.schedules``' ``device="cuda"`` token counter on the CPU.
+
+    Covers ``forward_backward_pipelining_without_interleaving`` (and the other
+    schedules), which count the step's tokens in ``torch.zeros([], dtype=torch.int,
+    device="cuda")``. The module reads ``torch`` as a global at call time, so giving
+    that one module a ``torch`` whose ``zeros`` maps CUDA to the CPU covers the literal
+    and touches nothing else (its p2p buffers go through ``torch.cuda.current_device``,
+    already shimmed above).
+    """
+    from megatron.core.pipeline_parallel import schedules
+
+    if not isinstance(schedules.torch, _TorchWithCpuFactories):
+        schedules.torch = _TorchWithCpuFactories()
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity() -> Iterator[None]:
+    original = torch.Tensor.cuda
+
+    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self
+
+    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def _shim_tied_embedding_setup() -> None:
+    """``LanguageModule.setup_embeddings_and_output_layer`` under pipeline parallelism.
+
+    With tied embeddings and more than one stage, the last stage keeps its own copy
+    of the word embeddings, and this method makes the first and last stages agree by
+    all-reducing that copy over the embedding group -- after ``weight.data =
+    weight.data.cuda()``. The wrapper runs megatron-core's method unchanged with
+    ``Tensor.cuda`` returning the tensor itself for the length of the call, so the
+    weight stays on the host and the all-reduce runs over gloo.
+    """
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def setup_embeddings_and_output_layer(self: Any) -> None:
+        with _tensor_cuda_is_identity():
+            original(self)
+
+    setup_embeddings_and_output_layer.__wrapped__ = original  # type: ignore[attr-defined]
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer  # type: ignore[method-assign]
