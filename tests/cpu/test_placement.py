@@ -4,18 +4,26 @@ Proves: ``layout_of`` gives one bundle per training rank plus the rollout
 devices (none extra when colocated), engine bundles never overlap training
 bundles unless colocated, and bad counts are refused; ``wait_all`` raises with
 the failing actor's error as soon as one actor dies, while a peer is still
-blocked (as a rank stuck in a collective would be): nothing hangs.
+blocked (as a rank stuck in a collective would be): nothing hangs. Joining an
+address where a server accepts connections but is not a Ray GCS (one that says
+nothing, one that answers like a web server) is refused by ``start_ray`` with
+a one-line ``ConfigError`` naming the address and the head's port, where
+``ray.init`` would retry for minutes.
 """
 
 from __future__ import annotations
 
 import os
+import socketserver
+import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 
-from vime.ray.placement import ActorFailure, Layout, layout_of, wait_all
+from vime.config import ConfigError
+from vime.ray.placement import ActorFailure, Layout, layout_of, start_ray, wait_all
 
 
 def _args(**kw) -> SimpleNamespace:
@@ -80,3 +88,36 @@ def test_wait_all_fails_fast_when_an_actor_dies() -> None:
         assert time.monotonic() - start < 120  # bounded: far below the 600 s block
     finally:
         ray.shutdown()
+
+
+class _NotRay(socketserver.BaseRequestHandler):
+    """Sends the server's ``reply`` (maybe nothing), then holds the connection until closed."""
+
+    def handle(self) -> None:
+        self.request.sendall(self.server.reply)
+        while self.request.recv(4096):
+            pass
+
+
+@pytest.fixture(
+    params=[b"", b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"], ids=["silent", "http"]
+)
+def not_ray(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A TCP server on 127.0.0.1 that is no Ray GCS; yields its host:port."""
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _NotRay)
+    server.daemon_threads = True
+    server.reply = request.param
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.timeout(60)  # a hang guard: without the probe ray.init retries for minutes
+def test_start_ray_refuses_a_listener_that_is_not_ray(not_ray: str) -> None:
+    with pytest.raises(ConfigError, match="accepts connections but is not a Ray GCS") as caught:
+        start_ray(not_ray, 1)
+    message = str(caught.value)
+    assert not_ray in message and "--port" in message and "\n" not in message

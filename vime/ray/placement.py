@@ -6,6 +6,13 @@ One bundle per training rank, then one per rollout device unless
 ``--colocate`` puts the engines on the training ranks' bundles. On a CPU-only
 machine a bundle is one logical CPU and the local Ray is told it has at least
 as many CPUs as the run has bundles, so a laptop runs any layout (slowly).
+
+Joining a cluster is checked first, because ``ray.init`` handles a wrong
+address badly: with nothing listening, or with a listener that is not a Ray
+GCS (an HTTP server: for minutes or for ever; another gRPC server such as the
+client port: 20 s, then a misleading error), Ray 2.60 retries, printing a
+warning every few seconds. A TCP connect, a gRPC handshake and one
+unauthenticated GCS call answer that in seconds.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vime.config.errors import ConfigError
 
 READY_TIMEOUT_S = 120.0
-# How long joining a cluster waits for its GCS port to accept a connection.
+# How long joining a cluster waits for its GCS port to accept a connection, and then
+# for a gRPC handshake and for an answer to one call (a real GCS takes milliseconds).
 CONNECT_TIMEOUT_S = 5.0
 
 
@@ -72,8 +80,9 @@ def layout_of(args: Any, use_gpu: bool) -> Layout:
 def start_ray(address: str | None, min_cpus: int) -> None:
     """Join ``address`` (or RAY_ADDRESS) if given, else start a local Ray.
 
-    A cluster address that nothing answers on is refused at once with a
-    ``ConfigError`` naming it: ``ray.init`` would otherwise retry for ever.
+    A cluster address that nothing answers on, or that something other than Ray
+    answers on, is refused at once with a ``ConfigError`` naming it: ``ray.init``
+    would otherwise retry for minutes or for ever.
     """
     if ray.is_initialized():
         return
@@ -99,7 +108,7 @@ def start_ray(address: str | None, min_cpus: int) -> None:
 
 
 def _check_reachable(address: str) -> None:
-    """Fail fast unless something accepts TCP connections at ``address``'s host:port."""
+    """Fail fast unless a Ray server (a GCS, or for ray:// a client server) answers there."""
     if address in ("auto", "local"):  # Ray finds (or starts) the cluster itself
         return
     target = address.removeprefix("ray://")
@@ -109,12 +118,61 @@ def _check_reachable(address: str) -> None:
             f"Ray address {address!r} is not host:port (as printed by `ray start --head`); "
             "fix --ray-address or RAY_ADDRESS"
         )
-    host = host.strip("[]")
     try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
             pass
     except OSError as err:
         raise ConfigError(_unreachable(address, err.strerror or str(err))) from None
+    # A ray:// address is Ray Client's server, not the GCS: only its gRPC handshake is checked.
+    client = address.startswith("ray://")
+    if not _speaks_ray(target, gcs=not client):
+        wanted = (
+            "a Ray Client server: give the head's --ray-client-server-port (default 10001)"
+            if client
+            else "a Ray GCS: give the head's --port (default 6379, printed by "
+            "`ray start --head`), not its dashboard, client or another port"
+        )
+        raise ConfigError(
+            f"{address} (from --ray-address or RAY_ADDRESS) accepts connections but is not "
+            f"{wanted}; fix --ray-address or RAY_ADDRESS"
+        )
+
+
+def _speaks_ray(target: str, gcs: bool) -> bool:
+    """False only when ``target`` is known not to be Ray: no gRPC handshake, or no GCS service.
+
+    gRPC reports a channel ready only after the HTTP/2 handshake, which no plain TCP
+    or HTTP/1 server completes. Then, for a GCS, one call without credentials: a GCS
+    answers it (OK, or UNAUTHENTICATED under token auth) where another gRPC server
+    (Ray's client or agent ports) says UNIMPLEMENTED. The method name comes from
+    Ray's generated protos, an internal module: if grpc or it cannot be loaded, or
+    TLS is on (this probe speaks plaintext), the address is let through to
+    ``ray.init`` as before rather than refused.
+    """
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return True
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2
+
+        service = gcs_service_pb2.DESCRIPTOR.services_by_name["NodeInfoGcsService"]
+        method = f"/{service.full_name}/{service.methods_by_name['GetClusterId'].name}"
+    except (ImportError, KeyError, AttributeError):
+        return True
+    # Like Ray's own clients, ignore http_proxy unless Ray's (lower-case) knob says otherwise.
+    proxy = os.environ.get("RAY_grpc_enable_http_proxy", "0").lower() in ("1", "true")  # noqa: SIM112
+    with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", int(proxy))]) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
+        except grpc.FutureTimeoutError:
+            return False
+        if gcs:
+            try:
+                channel.unary_unary(method)(b"", timeout=CONNECT_TIMEOUT_S)
+            except grpc.RpcError as err:
+                # Anything but "no such method" (even a timeout) is left to ray.init.
+                return err.code() != grpc.StatusCode.UNIMPLEMENTED
+    return True
 
 
 def _unreachable(address: str, reason: str) -> str:
