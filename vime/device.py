@@ -38,6 +38,17 @@ def local_device() -> torch.device:
     return device
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A dtype flag's value: ``auto`` is bf16 on a GPU (its fast matmuls) and fp32 on the
+    CPU (exact, and the only precision the CPU alignment tests hold to 1e-5)."""
+    if name == "auto":
+        return torch.bfloat16 if is_cuda(device) else torch.float32
+    return DTYPES[name]
+
+
 def process_group_backend(device: torch.device) -> str:
     """NCCL for CUDA tensors with gloo beside it for host tensors; gloo alone on CPU."""
     return "cpu:gloo,cuda:nccl" if is_cuda(device) else "gloo"

@@ -3,12 +3,15 @@
 Proves: ``.buildkite/pipeline.yml`` parses, every step has a label, a key and a
 command, keys are unique, GPU steps state their GPU count, every test file,
 test folder and script a command names exists in the repository, and together
-the CPU steps cover every file of ``tests/cpu`` (none silently left out of CI).
+the CPU steps cover every file of ``tests/cpu`` (none silently left out of CI),
+and every shell script under ``scripts/`` (the GPU lease's ``gpu-check.sh``
+included, which no CPU step runs) is valid bash.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -51,3 +54,11 @@ def test_cpu_steps_cover_every_cpu_test_file() -> None:
     assert whole_folder, "no CPU step runs tests/cpu as a whole"
     # Every file the whole-folder step skips must run in a step of its own.
     assert covered_by_ignore <= named, covered_by_ignore - named
+
+
+def test_shell_scripts_parse() -> None:
+    scripts = sorted((ROOT / "scripts").glob("*.sh"))
+    assert any(p.name == "gpu-check.sh" for p in scripts)
+    for script in scripts:
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{script.name}: {result.stderr}"

@@ -89,6 +89,12 @@ class PolicyTrainActor(TrainActor):
         return {}
 
     @property
+    def trained_params(self) -> list[torch.Tensor]:
+        """The tensors that hold the gradients and take the optimizer's updates: ``params``,
+        or a backend's fp32 main copies of them (megatron's bf16 mixed precision)."""
+        return self.params
+
+    @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas (the planner's rank)."""
         return self.rank
@@ -283,7 +289,11 @@ class PolicyTrainActor(TrainActor):
     def _optimizer_step(self, num_samples: int) -> StepResult:
         lr = self.lr_schedule(self.samples_consumed + num_samples)
         result = optimizer_step(
-            self.optimizer, self.params, self.grad_norm(), clip_grad=self.args.clip_grad, lr=lr
+            self.optimizer,
+            self.trained_params,
+            self.grad_norm(),
+            clip_grad=self.args.clip_grad,
+            lr=lr,
         )
         self.samples_consumed += num_samples
         if result.skipped:
@@ -299,8 +309,8 @@ class PolicyTrainActor(TrainActor):
     def sleep(self) -> None:
         """Free this rank's accelerator memory while the rollout engine has the GPU.
 
-        The weight shards, any gradients and the optimizer state that live on the
-        GPU go to host memory (their storages are emptied in place, so the optimizer
+        The weight shards, any main weights, any gradients and the optimizer state that
+        live on the GPU go to host memory (their storages are emptied in place, so the optimizer
         and the model keep valid references), and the allocator cache is returned;
         tensors already on the host (e.g. ``--fsdp-cpu-offload``) stay where they are.
         On CPU nothing lives on an accelerator, so this is a no-op. Nothing may run
@@ -310,7 +320,9 @@ class PolicyTrainActor(TrainActor):
             return
         self._release_gathered()
         tensors = list(self._local_tensors())
-        tensors += [_storage(p.grad) for p in self.params if p.grad is not None]
+        seen = {id(t) for t in tensors}
+        tensors += [p for p in self.trained_params if id(p) not in seen]
+        tensors += [_storage(p.grad) for p in self.trained_params if p.grad is not None]
         for state in self.optimizer.state.values():
             tensors += [_storage(v) for v in state.values() if isinstance(v, torch.Tensor)]
         self._stash = HostStash(t for t in tensors if vime_device.is_cuda(t.device))

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from vime import checkpoint
+from vime import device as vime_device
 from vime.backends.fsdp2 import model as fsdp_model
 from vime.backends.policy_actor import PolicyTrainActor
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
@@ -42,7 +43,7 @@ class FSDP2Actor(PolicyTrainActor):
         mesh = fsdp_model.build_mesh(args.fsdp_mode, self.world, args.fsdp_shard_size, self.device)
         if args.hf_checkpoint is None:
             raise ValueError("the fsdp2 backend needs --hf-checkpoint DIR")
-        param_dtype = fsdp_model.resolve_param_dtype(args.fsdp_param_dtype, self.device)
+        param_dtype = vime_device.resolve_dtype(args.fsdp_param_dtype, self.device)
         self.model = fsdp_model.load_sharded_model(
             args.hf_checkpoint,
             mesh=mesh,
@@ -53,7 +54,7 @@ class FSDP2Actor(PolicyTrainActor):
             shard_kwargs={
                 "block_classes": args.fsdp_block_classes,
                 "param_dtype": param_dtype,
-                "reduce_dtype": fsdp_model.resolve_param_dtype(args.fsdp_reduce_dtype, self.device),
+                "reduce_dtype": vime_device.resolve_dtype(args.fsdp_reduce_dtype, self.device),
                 "reshard_after_forward": args.fsdp_reshard_after_forward,
                 "cpu_offload": args.fsdp_cpu_offload,
             },

@@ -24,8 +24,6 @@ from torch.distributed.tensor import DTensor
 
 from vime import device as vime_device
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join (or start) the default process group: NCCL on GPU, gloo on CPU.
@@ -52,12 +50,6 @@ def build_mesh(mode: str, world: int, shard_size: int | None, device: torch.devi
     return init_device_mesh(
         device.type, (world // shard, shard), mesh_dim_names=("replicate", "shard")
     )
-
-
-def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if vime_device.is_cuda(device) else torch.float32
-    return DTYPES[name]
 
 
 def resolve_attn_implementation(name: str, device: torch.device, param_dtype: torch.dtype) -> str:

@@ -30,6 +30,11 @@ fp32 copies of the weights, shrink by the DP size; the gradient all-reduce stays
 (megatron-core's own ``DistributedOptimizer``, which reduce-scatters gradients into
 its DDP wrapper's main-grad buffers, is not used: vime's gradients live in ``.grad``).
 
+Precision: ``--megatron-param-dtype bfloat16`` (the default on GPU) builds the model
+in bf16 and gives the optimizer fp32 main weights that also hold the gradients
+(``main_params.py``); each step re-rounds the bf16 weights from them. fp32 (the CPU
+default) trains the model's own weights.
+
 Checkpoints: megatron-core's own ``dist_checkpointing`` (``checkpoint.py``), in
 the folder ``vime.checkpoint`` hands out and commits (``iter_N`` + tracker, written
 atomically by ``PolicyTrainActor.save``). Each rank saves its TP shard as
@@ -51,10 +56,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime import checkpoint
 from vime import device as vime_device
 from vime.backends.megatron import checkpoint as mcheckpoint
 from vime.backends.megatron import convert, pipeline
 from vime.backends.megatron import model as mmodel
+from vime.backends.megatron.main_params import MainParams
 from vime.backends.megatron.shims import apply_cpu_shims
 from vime.backends.optim import StepResult, partition_params
 from vime.backends.policy_actor import MicroBatchFn, PerSample, PolicyTrainActor
@@ -109,14 +116,22 @@ class MegatronActor(PolicyTrainActor):
         self.tp = int(args.megatron_tensor_parallel_size)
         self.pp = int(args.megatron_pipeline_parallel_size)
         self.loss_replicas = self.tp  # every TP rank of a replica computes the same loss
-        sequence_parallel = bool(args.megatron_sequence_parallel)
         # Sequence parallel splits each row's tokens over the TP ranks.
-        self.row_multiple = self.tp if sequence_parallel else 1
+        self.row_multiple = self.tp if args.megatron_sequence_parallel else 1
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        self._init_parallel()
+        self.param_dtype = vime_device.resolve_dtype(args.megatron_param_dtype, self.device)
+        self.model = self._build_model()
+        self._index_params()
+        self._setup_training(self._optimizer_share())
+        return self._start_rollout()
+
+    def _init_parallel(self) -> None:
+        """The process groups, this rank's place in them and its pipeline stage."""
         tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         num_layers = int(self.hf_config.num_hidden_layers)
         pipeline.Stage(0, self.pp, num_layers, tied)  # fail before any group is made
-        mmodel.init_model_parallel(tp=self.tp, pp=self.pp, seed=args.seed)
+        mmodel.init_model_parallel(tp=self.tp, pp=self.pp, seed=self.args.seed)
         from megatron.core import parallel_state as ps
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -125,6 +140,7 @@ class MegatronActor(PolicyTrainActor):
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
         self._dp_rank = ps.get_data_parallel_rank()
         pp_rank = ps.get_pipeline_model_parallel_rank()
         self.stage = pipeline.Stage(pp_rank, self.pp, num_layers, tied)
@@ -132,34 +148,45 @@ class MegatronActor(PolicyTrainActor):
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
         # The group whose ranks hold different parts of one replica's gradient.
         self.mp_group = ps.get_model_parallel_group() if self.pp > 1 else self.tp_group
+        # Tied embeddings over several stages: the first stage's embedding and the last
+        # stage's copy sum their gradients over this group.
+        # (Middle stages hold neither and are not in it.)
+        in_group = tied and self.pp > 1 and ps.is_rank_in_embedding_group()
+        self.embedding_group = ps.get_embedding_group() if in_group else None
+
+    def _build_model(self) -> mmodel.PackedRowGPTModel:
+        """This stage's ``GPTModel`` with this rank's TP shard of the HF checkpoint loaded."""
+        pipelined = self.pp > 1
         tcfg, _ = convert.transformer_config_from_hf(
             self.hf_config,
             tp=self.tp,
-            params_dtype=torch.float32,
-            sequence_parallel=sequence_parallel,
+            params_dtype=self.param_dtype,
+            sequence_parallel=bool(self.args.megatron_sequence_parallel),
             pipeline_model_parallel_size=self.pp,
             # Packed rows differ in length; vime's loss carries its own normalizers.
-            variable_seq_lengths=self.pp > 1,
-            calculate_per_token_loss=self.pp > 1,
+            variable_seq_lengths=pipelined,
+            calculate_per_token_loss=pipelined,
             # Dense models have no MoE, but megatron-core refuses variable_seq_lengths
             # beside its default (allgather) token dispatcher.
-            **({"moe_token_dispatcher_type": "alltoall"} if self.pp > 1 else {}),
-            **recompute_fields(args.megatron_recompute_granularity),
+            **({"moe_token_dispatcher_type": "alltoall"} if pipelined else {}),
+            **recompute_fields(self.args.megatron_recompute_granularity),
         )
-        self.model = mmodel.build_gpt_model(
+        model = mmodel.build_gpt_model(
             self.hf_config, tcfg, pre_process=self.stage.is_first, post_process=self.stage.is_last
         )
         # Every rank reads the checkpoint and keeps its stage's TP shard (fine on the host).
-        hf_state = read_hf_state(args.hf_checkpoint)
+        hf_state = read_hf_state(self.args.hf_checkpoint)
         self.hf_shapes = {name: tuple(t.shape) for name, t in hf_state.items()}
         full = convert.hf_to_megatron(hf_state, self.hf_config, self.tp_rank, self.tp)
         del hf_state
-        local_keys = [k for k in self.model.state_dict() if not k.endswith("_extra_state")]
-        mmodel.load_megatron_state(
-            self.model, {k: full[self.stage.global_name(k)] for k in local_keys}
-        )
-        del full
-        self.model.train()
+        local_keys = [k for k in model.state_dict() if not k.endswith("_extra_state")]
+        mmodel.load_megatron_state(model, {k: full[self.stage.global_name(k)] for k in local_keys})
+        model.train()
+        return model
+
+    def _index_params(self) -> None:
+        """The trainable parameters, their HF maps, and the ones whose gradient needs more
+        than the DP sum."""
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         self.global_maps = convert.param_map(self.hf_config)
@@ -168,40 +195,49 @@ class MegatronActor(PolicyTrainActor):
         if missing:
             raise ValueError(f"megatron parameters without an HF counterpart: {missing[:8]}")
         self.maps = {n: by_name[self.stage.global_name(n)] for n, _ in self.named_params}
-        # Tied embeddings over several stages: the first stage's embedding and the last
-        # stage's copy, whose gradients are summed over the embedding group.
+        # bf16 weights: the gradients and the optimizer live on fp32 main copies.
+        half = self.param_dtype != torch.float32
+        self.main = MainParams(self.params) if half else None
+        self.train_params = self.main.params if self.main else list(self.params)
+        train = dict(zip((n for n, _ in self.named_params), self.train_params, strict=True))
         self.embedding_pair = [
-            p
-            for n, p in self.named_params
-            if self.pp > 1 and tied and (n == pipeline.EMBEDDING or self.stage.is_tied_copy(n))
+            train[n]
+            for n, _ in self.named_params
+            if self.embedding_group is not None
+            and (n == pipeline.EMBEDDING or self.stage.is_tied_copy(n))
         ]
-        self.embedding_group = ps.get_embedding_group() if self.embedding_pair else None
         # Replicated parameters whose gradient each TP rank only partly computes: the QK
         # norms act on this rank's heads only, and under sequence parallel every norm sees
         # this rank's slice of the sequence only (megatron-core's finalize_model_grads sums
         # both over the TP group too).
         self.tp_partial = [
-            p
+            train[n]
             for n, p in self.named_params
             if self.tp > 1
             and ("q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))
         ]
-        # --megatron-use-distributed-optimizer: each DP rank keeps AdamW state for its share.
+
+    def _optimizer_share(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters this rank's AdamW updates: all of them, or with
+        ``--megatron-use-distributed-optimizer`` this DP rank's share."""
         self.param_owner: list[int] | None = None
-        if args.megatron_use_distributed_optimizer and self.dp_size > 1:
+        if self.args.megatron_use_distributed_optimizer and self.dp_size > 1:
             self.param_owner = partition_params([p.numel() for p in self.params], self.dp_size)
-            self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
-        self.optimized = [
-            (n, p)
-            for i, (n, p) in enumerate(self.named_params)
+        self.owned = [
+            i
+            for i in range(len(self.params))
             if self.param_owner is None or self.param_owner[i] == self._dp_rank
         ]
-        self._setup_training(self.optimized)
-        return self._start_rollout()
+        self.optimized = [(self.named_params[i][0], self.train_params[i]) for i in self.owned]
+        return self.optimized
 
     @property
     def dp_rank(self) -> int:
         return self._dp_rank
+
+    @property
+    def trained_params(self) -> list[torch.Tensor]:
+        return self.train_params
 
     # ----- backend hooks -------------------------------------------------------------------
 
@@ -255,7 +291,7 @@ class MegatronActor(PolicyTrainActor):
     def _finish_grads(self) -> None:
         """Sum the step's gradient over the DP group, the partial QK-norm grads over TP,
         and tied embeddings' two halves over the first and last pipeline stages."""
-        for param in self.params:
+        for param in self.train_params:
             if param.grad is None:  # e.g. a rank whose share was empty: still take part
                 param.grad = torch.zeros_like(param)
         for param in self.tp_partial:
@@ -263,15 +299,18 @@ class MegatronActor(PolicyTrainActor):
         for param in self.embedding_pair:
             dist.all_reduce(param.grad, group=self.embedding_group)
         if self.dp_size > 1:
-            for param in self.params:
+            for param in self.train_params:
                 dist.all_reduce(param.grad, group=self.dp_group)
 
     def _optimizer_step(self, num_samples: int) -> StepResult:
         """The shared chokepoint; with the distributed optimizer each rank has updated
         only its share, and every share is then broadcast to the other DP replicas."""
         result = super()._optimizer_step(num_samples)
-        if self.param_owner is not None and not result.skipped:
-            self._broadcast_shares()
+        if not result.skipped:
+            if self.main is not None:
+                self.main.to_model(self.owned)
+            if self.param_owner is not None:
+                self._broadcast_shares()
         return result
 
     @torch.no_grad()
@@ -292,11 +331,11 @@ class MegatronActor(PolicyTrainActor):
         """Global L2 norm of the gradients: TP shards and pipeline stages summed, TP-replicated
         params and the last stage's copy of tied embeddings counted once."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, param in self.named_params:
-            if param.grad is None or self.stage.is_tied_copy(name):
+        for (name, param), trained in zip(self.named_params, self.train_params, strict=True):
+            if trained.grad is None or self.stage.is_tied_copy(name):
                 continue
             if getattr(param, "tensor_model_parallel", False) or self.tp_rank == 0:
-                total += param.grad.detach().double().pow(2).sum()
+                total += trained.grad.detach().double().pow(2).sum()
         if self.tp * self.pp > 1:
             dist.all_reduce(total, group=self.mp_group)
         return total.sqrt().float()
@@ -375,17 +414,24 @@ class MegatronActor(PolicyTrainActor):
             self.optimizer,
             with_optimizer=self.optimizer_steps > 0,
             dp_sharded=self.param_owner is not None,
+            main_weights=self.main is not None,
         )
 
     def _write_state(self, folder: Path) -> None:
         mcheckpoint.save(self._state(), folder)
 
     def _checkpoint_extra(self) -> dict[str, Any]:
-        return {"tp": self.tp, "pp": self.pp}
+        return {"tp": self.tp, "pp": self.pp, "param_dtype": str(self.param_dtype)}
 
     def _load(self, load_dir: str) -> int:
         """Restore the newest checkpoint under ``load_dir``; return its rollout id."""
         rollout_id, folder, meta = self._open_checkpoint(load_dir)
+        saved_dtype = meta["extra"].get("param_dtype", str(torch.float32))
+        if saved_dtype != str(self.param_dtype):
+            raise checkpoint.CheckpointError(
+                f"{folder} holds {saved_dtype} weights and this run trains in "
+                f"{self.param_dtype}; resume with the same --megatron-param-dtype"
+            )
         mcheckpoint.load(
             self.model,
             self.optimized,
@@ -393,7 +439,10 @@ class MegatronActor(PolicyTrainActor):
             folder,
             with_optimizer=self.optimizer_steps > 0,
             dp_sharded=self.param_owner is not None,
+            main_weights=self.main is not None,
         )
+        if self.main is not None and self.optimizer_steps == 0:
+            self.main.from_model()
         layout = (meta["world_size"], meta["extra"].get("tp"), meta["extra"].get("pp", 1))
         if layout == (self.world, self.tp, self.pp):
             self._restore_rng(folder)

@@ -44,6 +44,7 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+MAIN_WEIGHT = "main_param"  # fp32 main weights of a bf16 model
 NamedParams = list[tuple[str, torch.nn.Parameter]]
 
 
@@ -54,6 +55,7 @@ def sharded_state(
     *,
     with_optimizer: bool,
     dp_sharded: bool = False,
+    main_weights: bool = False,
 ) -> dict[str, Any]:
     """This rank's sharded state dict: the model's, plus the AdamW moments and step.
 
@@ -61,21 +63,26 @@ def sharded_state(
     parameters, or with ``dp_sharded`` (the distributed optimizer) its data-parallel
     share, whose moments this rank then saves as their main replica. ``with_optimizer``
     needs a populated ``optimizer.state`` for each of them (real moments to save, or
-    templates of the right shapes to load into).
+    templates of the right shapes to load into). ``main_weights``: the optimized
+    tensors are fp32 main copies of bf16 model weights, saved beside the moments as
+    ``optimizer.main_param.<key>`` (the bf16 model weights alone would lose their low bits).
     """
     model_state = model.sharded_state_dict()
     state: dict[str, Any] = {"model": model_state}
     if with_optimizer:
+        tensors_of = {m: lambda p, m=m: optimizer.state[p][m] for m in ADAM_MOMENTS}
+        if main_weights:
+            tensors_of[MAIN_WEIGHT] = lambda p: p
         optim: dict[str, Any] = {
-            moment: {
+            kind: {
                 name: make_sharded_optimizer_tensor(
                     _dp_main(model_state[name]) if dp_sharded else model_state[name],
-                    optimizer.state[param][moment],
-                    f"optimizer.{moment}",
+                    tensor_of(param),
+                    f"optimizer.{kind}",
                 )
                 for name, param in optimized
             }
-            for moment in ADAM_MOMENTS
+            for kind, tensor_of in tensors_of.items()
         }
         # Common state: one value, the same on every rank (dist_checkpointing checks that).
         optim["step"] = optimizer.state[optimized[0][1]]["step"].detach().clone()
@@ -147,10 +154,12 @@ def load(
     *,
     with_optimizer: bool,
     dp_sharded: bool = False,
+    main_weights: bool = False,
 ) -> None:
     """Restore weights (and the AdamW moments of ``optimized`` and the step) from
-    ``folder`` at this rank's TP shard and pipeline stage (``dp_sharded`` as for
-    ``sharded_state``).
+    ``folder`` at this rank's TP shard and pipeline stage (``dp_sharded`` and
+    ``main_weights`` as for ``sharded_state``; the caller sets the main weights of a
+    never-stepped checkpoint, which has none, from the model).
 
     A collective over every rank. Strict both ways: a tensor the ranks expect but the
     checkpoint lacks, or one the checkpoint has but no rank reads, is an error. Which
@@ -162,12 +171,21 @@ def load(
             optimizer.state[param] = {m: torch.zeros_like(param) for m in ADAM_MOMENTS}
             optimizer.state[param]["step"] = torch.zeros((), dtype=torch.float32)
     state = sharded_state(
-        model, optimized, optimizer, with_optimizer=with_optimizer, dp_sharded=dp_sharded
+        model,
+        optimized,
+        optimizer,
+        with_optimizer=with_optimizer,
+        dp_sharded=dp_sharded,
+        main_weights=main_weights,
     )
     loaded = dist_checkpointing.load(state, str(folder), strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(loaded["model"], strict=True)
     if with_optimizer:
         optim = loaded["optimizer"]
+        if main_weights:
+            with torch.no_grad():
+                for name, param in optimized:
+                    param.copy_(optim[MAIN_WEIGHT][name])
         for name, param in optimized:
             optimizer.state[param] = {
                 "step": optim["step"].clone(),

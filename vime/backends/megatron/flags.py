@@ -40,6 +40,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "the parameters and broadcasts it (no effect with one replica)",
     )
     g.add_argument(
+        "--megatron-param-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="weights and compute; bfloat16 keeps fp32 main weights and gradient sums for "
+        "the optimizer (auto: bfloat16 on GPU, float32 on CPU)",
+    )
+    g.add_argument(
         "--megatron-recompute-granularity",
         choices=RECOMPUTE_GRANULARITIES,
         default="none",

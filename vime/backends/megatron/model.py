@@ -141,7 +141,8 @@ class RMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        super().__init__(hidden_size, eps=eps)
+        # In the model's dtype, as megatron-core's norms: bf16 weights under bf16 training.
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
