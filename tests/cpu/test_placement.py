@@ -116,7 +116,11 @@ def not_ray(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 @pytest.mark.timeout(60)  # a hang guard: without the probe ray.init retries for minutes
-def test_start_ray_refuses_a_listener_that_is_not_ray(not_ray: str) -> None:
+def test_start_ray_refuses_a_listener_that_is_not_ray(not_ray: str, monkeypatch) -> None:
+    import vime.ray.placement as placement
+
+    # The probe waits this long for a gRPC handshake a non-Ray server never completes.
+    monkeypatch.setattr(placement, "CONNECT_TIMEOUT_S", 1.0)
     with pytest.raises(ConfigError, match="accepts connections but is not a Ray GCS") as caught:
         start_ray(not_ray, 1)
     message = str(caught.value)
