@@ -6,8 +6,9 @@ same loss, the same gradient norm (1e-5 relative) and, after AdamW steps, the sa
 weights parameter by parameter in HF names -- on a second rollout whose KL term is
 against a reference that by then differs from the actor, with the entropy term on,
 and through ``train`` (two optimizer steps per rollout: old log-probs recomputed).
-Checked for Qwen3 at TP=1/DP=1, TP=2 (two gloo processes) and DP=2, and for a tied
-Llama at TP=2 and at TP=2 x PP=2 with sequence parallel (four processes).
+Checked for Qwen3 at TP=1/DP=1, TP=2 (two gloo processes) and DP=2, for a tied
+Llama at TP=2 and at TP=2 x PP=2 with sequence parallel (four processes), and for a
+four-layer tied Llama at PP=4 (two middle stages without embeddings or output).
 
 Also: the weight source yields exactly the HF weights it loaded, in HF-named
 buckets under the budget, and the HF export reloads in transformers; at PP=2,
@@ -57,6 +58,15 @@ def llama_dir(tmp_path_factory) -> str:
     config = tiny_llama_config(VOCAB, tie=True)
     config.num_key_value_heads = 2
     return save_tiny(tmp_path_factory.mktemp("tiny_llama_tied_kv2"), config, seed=1)
+
+
+@pytest.fixture(scope="module")
+def llama4_dir(tmp_path_factory) -> str:
+    # Four layers: at PP=4 the two middle stages hold neither embeddings nor output.
+    config = tiny_llama_config(VOCAB, tie=True)
+    config.num_key_value_heads = 2
+    config.num_hidden_layers = 4
+    return save_tiny(tmp_path_factory.mktemp("tiny_llama_tied_4l"), config, seed=2)
 
 
 def _actor(backend: str):
@@ -282,11 +292,21 @@ def _fsdp_reference(model_dir: str, tmp_path: Path) -> dict:
         ("qwen3", 2, 1, 1, ()),
         ("llama_tied", 2, 2, 1, ()),
         ("llama_tied", 4, 2, 2, ("--megatron-sequence-parallel",)),
+        ("llama_tied_4l", 4, 1, 4, ()),
     ],
-    ids=["qwen3-tp1", "qwen3-tp2", "qwen3-dp2", "llama_tied-tp2", "llama_tied-tp2-pp2-sp"],
+    ids=[
+        "qwen3-tp1",
+        "qwen3-tp2",
+        "qwen3-dp2",
+        "llama_tied-tp2",
+        "llama_tied-tp2-pp2-sp",
+        "llama_tied_4l-pp4",
+    ],
 )
-def test_megatron_matches_fsdp2(hf_dir, llama_dir, tmp_path, arch, world, tp, pp, extra) -> None:
-    model_dir = hf_dir if arch == "qwen3" else llama_dir
+def test_megatron_matches_fsdp2(
+    hf_dir, llama_dir, llama4_dir, tmp_path, arch, world, tp, pp, extra
+) -> None:
+    model_dir = {"qwen3": hf_dir, "llama_tied": llama_dir, "llama_tied_4l": llama4_dir}[arch]
     reference = _fsdp_reference(model_dir, tmp_path)
     mega = run(
         "megatron",
