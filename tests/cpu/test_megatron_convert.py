@@ -8,7 +8,10 @@ alignment: the same HF weights in megatron-core's ``GPTModel`` give per-token
 log-probs (and logits) equal to the HF model's, sample by sample, on one packed
 row of 3 samples plus padding -- at TP=1 in this process and at TP=2 in two gloo
 processes (vocab-parallel logits gathered), where the real TP=2 model's own
-shards also convert back to the HF weights.
+shards also convert back to the HF weights. The row goes in megatron-core's THD
+format (``PackedSeqParams``, vime's per-run core attention); the same row as one
+sequence under a block-diagonal mask (megatron-core's dense attention) gives the
+same logits and parameter gradients.
 """
 
 from __future__ import annotations
@@ -269,6 +272,30 @@ def test_log_probs_match_hf(name: str, megatron_world: None) -> None:
     with torch.no_grad():
         logits = mmodel.packed_logits(model, _packed())
     _assert_matches_hf(logits, _hf_reference(hf))
+
+
+def test_thd_rows_match_the_block_mask(megatron_world: None) -> None:
+    config = CONFIGS["qwen3"]()
+    tcfg, _ = convert.transformer_config_from_hf(config)
+    model = mmodel.build_gpt_model(config, tcfg)
+    cores = [m for m in model.modules() if isinstance(m, mmodel.DotProductAttention)]
+    assert len(cores) == config.num_hidden_layers
+    assert all(isinstance(m, mmodel.PackedDotProductAttention) for m in cores)
+    packed = _packed()
+    assert packed.pad_length > 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn(1, packed.row_length, 1, generator=torch.Generator().manual_seed(0))
+    results = []
+    for forward in (mmodel.stage_forward, mmodel.block_mask_forward):
+        logits = forward(model, packed)
+        grads = torch.autograd.grad((weights * logits).sum(), params)
+        results.append((logits.detach(), grads))
+    (thd, thd_grads), (block, block_grads) = results
+    torch.testing.assert_close(thd, block, rtol=0, atol=1e-5)
+    for got, want in zip(thd_grads, block_grads, strict=True):
+        scale = want.abs().max()  # fp32 summation order: ~1e-7 of each tensor's scale
+        assert (got - want).abs().max() <= 2e-6 * scale
+    assert max(g.abs().max() for g in block_grads) > 1e-3
 
 
 # ----- tensor parallel = 2 ------------------------------------------------------------------

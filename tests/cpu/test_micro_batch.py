@@ -5,9 +5,10 @@ sample, int32 cu_seqlens, prompt/response lengths, loss masks and right padding
 as documented, rejects bad input, and builds a dummy row for an empty
 micro-batch; ``response_log_probs`` equals a per-token loop reference (with
 temperature, masks, entropy). The key numeric check: on a tiny random Qwen3
-model (fp32, sdpa), log-probs, entropies and parameter gradients from ONE
-packed forward equal those of per-sample unpacked forwards within 1e-5, with
-padding present -- and only with ``use_cache=False``, which
+model (fp32), log-probs, entropies and parameter gradients from ONE
+packed forward -- with transformers' ``sdpa`` under its block mask and with
+vime's ``varlen_sdpa`` -- equal those of per-sample unpacked ``sdpa`` forwards
+within 1e-5, with padding present -- and only with ``use_cache=False``, which
 ``PackedBatch.model_inputs`` always passes (the test shows the silent
 cross-sample attention without it).
 """
@@ -19,6 +20,7 @@ import torch
 from tiny_models import tiny_qwen3_config
 from transformers import Qwen3ForCausalLM
 
+from vime.backends import varlen_attention
 from vime.data.micro_batch import pack_micro_batch, response_log_probs
 
 SAMPLES = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
@@ -34,6 +36,7 @@ def test_layout_of_a_packed_row():
     assert batch.response_lengths.tolist() == [3, 2, 3]
     assert batch.loss_mask.tolist() == [[1, 0, 1], [1, 1, 0], [0, 1, 1]]
     assert (batch.num_samples, batch.max_seqlen, batch.pad_length) == (3, 7, 0)
+    assert batch.run_cu_seqlens().tolist() == [0, 5, 8, 15] and batch.max_run_length == 7
     assert batch.input_ids.dtype == batch.position_ids.dtype == torch.long
 
 
@@ -42,6 +45,8 @@ def test_default_loss_mask_and_padding():
     assert batch.row_length == 16 and batch.pad_length == 1
     assert batch.input_ids[0, -1] == 0 and batch.position_ids[0, -1] == 0
     assert batch.cu_seqlens.tolist() == [0, 5, 8, 15]  # padding is not a sample
+    assert batch.run_cu_seqlens().tolist() == [0, 5, 8, 15, 16]  # ... but is a run
+    assert batch.run_cu_seqlens().dtype == torch.int32
     assert batch.loss_mask.tolist() == [[1, 1, 1], [1, 1, 0], [1, 1, 1]]
     longer = pack_micro_batch([[1, 2, 3]], [1], pad_to_multiple_of=8)
     assert longer.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
@@ -51,6 +56,7 @@ def test_empty_micro_batch_is_a_dummy_row_with_a_gradient_path():
     batch = pack_micro_batch([], [], pad_to_multiple_of=4)
     assert batch.num_samples == 0 and batch.row_length == 4 and batch.pad_length == 4
     assert batch.cu_seqlens.tolist() == [0] and tuple(batch.loss_mask.shape) == (0, 0)
+    assert batch.run_cu_seqlens().tolist() == [0, 4] and batch.max_run_length == 4
     logits = torch.randn(1, 4, 9, requires_grad=True)
     logp, ent = response_log_probs(logits, batch, with_entropy=True)
     assert logp.shape == ent.shape == (0, 0)
@@ -115,6 +121,16 @@ def model():
     return Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").float().eval()
 
 
+@pytest.fixture(scope="module", params=["sdpa", varlen_attention.HF_NAME])
+def packed_model(request, model):
+    """``model``'s weights under each attention implementation a packed row can take."""
+    varlen_attention.register_hf()
+    twin = Qwen3ForCausalLM._from_config(tiny_qwen3_config(64), attn_implementation=request.param)
+    twin.load_state_dict(model.state_dict())
+    assert twin.config._attn_implementation == request.param
+    return twin.float().eval()
+
+
 def _random_samples(seed: int):
     gen = torch.Generator().manual_seed(seed)
     lengths = [9, 4, 13, 6]
@@ -136,12 +152,12 @@ def _unpacked(model, ids, prompts, temperature):
     return pad(logps, batch_first=True), pad(ents, batch_first=True)
 
 
-def test_packed_forward_equals_unpacked_forward(model):
+def test_packed_forward_equals_unpacked_forward(model, packed_model):
     ids, prompts = _random_samples(0)
     batch = pack_micro_batch(ids, prompts, pad_to_multiple_of=12)
     assert batch.pad_length > 0
     with torch.no_grad():
-        logits = model(**batch.model_inputs()).logits
+        logits = packed_model(**batch.model_inputs()).logits
         logp, ent = response_log_probs(logits, batch, temperature=0.8, with_entropy=True)
         want_logp, want_ent = _unpacked(model, ids, prompts, 0.8)
     torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5)
@@ -162,15 +178,16 @@ def test_packing_needs_use_cache_false(model):
     assert (logp - want).abs().max() > 1e-2
 
 
-def test_gradient_through_packed_log_probs_equals_per_sample_gradient(model):
+def test_gradient_through_packed_log_probs_equals_per_sample_gradient(model, packed_model):
     ids, prompts = _random_samples(2)
     batch = pack_micro_batch(ids, prompts, pad_to_multiple_of=10)
     weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(3))
     params = [p for p in model.parameters() if p.requires_grad]
+    packed_params = [p for p in packed_model.parameters() if p.requires_grad]
 
-    logits = model(**batch.model_inputs()).logits
+    logits = packed_model(**batch.model_inputs()).logits
     logp, ent = response_log_probs(logits, batch, with_entropy=True)
-    packed = torch.autograd.grad((weights * (logp + 0.1 * ent)).sum(), params)
+    packed = torch.autograd.grad((weights * (logp + 0.1 * ent)).sum(), packed_params)
 
     want_logp, want_ent = _unpacked(model, ids, prompts, 1.0)
     unpacked = torch.autograd.grad((weights * (want_logp + 0.1 * want_ent)).sum(), params)

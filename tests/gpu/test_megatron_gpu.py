@@ -28,10 +28,11 @@ from vime.weights.transports import free_port
 
 pytestmark = pytest.mark.gpu
 
-# fp32 on both sides, different kernels (sdpa vs megatron's unfused softmax attention,
-# different GEMM tilings): each op is exact to ~1e-6 relative, 28 residual blocks compound
-# that to ~1e-4 on the logits. A log-prob over a 151936 vocabulary is ~ -12, so 2e-3
-# absolute is ~20 such errors; a packing, RoPE or conversion bug moves log-probs by > 0.1.
+# fp32 on both sides, different kernels (sdpa over the row under a block mask vs
+# megatron's per-sample attention, different GEMM tilings): each op is exact to ~1e-6
+# relative, 28 residual blocks compound that to ~1e-4 on the logits. A log-prob over a
+# 151936 vocabulary is ~ -12, so 2e-3 absolute is ~20 such errors; a packing, RoPE or
+# conversion bug moves log-probs by > 0.1.
 LOGP_ATOL = 2e-3
 NORM_RTOL = 1e-3
 # bf16 keeps 8 mantissa bits (2e-3 relative per rounding), and the two backends round

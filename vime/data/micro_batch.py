@@ -58,6 +58,20 @@ class PackedBatch:
     def row_length(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def run_cu_seqlens(self) -> torch.Tensor:
+        """``cu_seqlens`` over every position run of the row: the samples, then the
+        padding run when there is one -- the boundaries of attention that restarts
+        per run (it covers the whole row, so no position is left unattended)."""
+        if self.pad_length == 0:
+            return self.cu_seqlens
+        end = self.cu_seqlens.new_tensor([self.row_length])
+        return torch.cat([self.cu_seqlens, end])
+
+    @property
+    def max_run_length(self) -> int:
+        """The longest position run: a sample, or the padding."""
+        return max(self.max_seqlen, self.pad_length)
+
     def model_inputs(self) -> dict[str, torch.Tensor | bool]:
         """Keyword arguments for an HF causal-LM forward over this row.
 

@@ -13,7 +13,7 @@ from vime.config.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FSDP_MODES = ("full", "hybrid", "no_shard")
-ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2")
+ATTN_IMPLEMENTATIONS = ("auto", "varlen_sdpa", "sdpa", "eager", "flash_attention_2")
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--attn-implementation",
         choices=ATTN_IMPLEMENTATIONS,
         default="auto",
-        help="auto: flash_attention_2 on GPU when installed, else sdpa",
+        help="auto: flash_attention_2 on GPU when installed, else varlen_sdpa (torch attention "
+        "per packed sample); sdpa: over the whole row under a block mask",
     )
 
 

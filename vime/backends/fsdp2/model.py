@@ -23,6 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from vime import device as vime_device
+from vime.backends import varlen_attention
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -54,11 +55,16 @@ def build_mesh(mode: str, world: int, shard_size: int | None, device: torch.devi
 
 def resolve_attn_implementation(name: str, device: torch.device, param_dtype: torch.dtype) -> str:
     """``auto``: flash-attention (varlen over packed rows) on GPU when installed and the
-    compute dtype is 16-bit, which is all it supports; ``sdpa`` otherwise."""
-    if name != "auto":
-        return name
-    half = param_dtype in (torch.bfloat16, torch.float16)
-    return "flash_attention_2" if half and vime_device.has_flash_attn() else "sdpa"
+    compute dtype is 16-bit, which is all it supports; otherwise ``varlen_sdpa``, torch's
+    attention per sample of the packed row (``vime.backends.varlen_attention``), which
+    this call registers with transformers. ``sdpa`` is the same math over the whole row
+    under a block-diagonal mask."""
+    if name == "auto":
+        half = param_dtype in (torch.bfloat16, torch.float16)
+        name = "flash_attention_2" if half and vime_device.has_flash_attn() else "varlen_sdpa"
+    if name == varlen_attention.HF_NAME:
+        varlen_attention.register_hf()
+    return name
 
 
 def find_block_classes(model: torch.nn.Module, names: str | None) -> tuple[type, ...]:

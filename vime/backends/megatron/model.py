@@ -6,14 +6,17 @@ forwards each micro-batch with ``packed_logits``, whose ``[1, L, V]`` logits go
 through the same ``vime.data.micro_batch.response_log_probs`` and ``vime.algo`` loss
 as the fsdp2 backend.
 
-Packed rows (see ``vime.data.micro_batch``): on the CPU there is no
-TransformerEngine, and megatron-core's local attention (``DotProductAttention``)
-has no THD packing, so the row is forwarded as one sequence under a
-block-diagonal causal mask, and RoPE follows the row's ``position_ids`` (restarting
-at 0 per sample) instead of megatron's 0..L-1 -- exactly what HF computes for each
-sample alone. The GPU path -- the same row through TransformerEngine's THD
-``PackedSeqParams``, where RoPE restarts per sample from ``cu_seqlens`` -- is not
-built yet; ``PackedRowGPTModel`` leaves RoPE alone when ``PackedSeqParams`` are given.
+Packed rows (see ``vime.data.micro_batch``) go in megatron-core's THD format:
+``stage_forward`` passes ``PackedSeqParams`` whose ``cu_seqlens`` cover every position
+run of the row (the samples, then any padding), megatron restarts RoPE per run from
+them, and the core attention (``PackedDotProductAttention``, megatron-core's local
+``DotProductAttention`` plus THD) attends within each run through
+``vime.backends.varlen_attention`` -- exactly what HF computes for each sample alone.
+TransformerEngine's attention takes the same ``PackedSeqParams``; it is not wired in
+(not installed where vime is tested). The older form of the same row -- one
+sequence under a block-diagonal causal mask (``block_causal_mask``), RoPE following
+``position_ids`` (``PackedRowGPTModel._preprocess``) -- still works and is what the
+tests check THD against.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
@@ -36,6 +41,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from vime import device as vime_device
+from vime.backends import varlen_attention
 from vime.backends.megatron.convert import gpt_extra
 from vime.backends.megatron.shims import apply_cpu_shims
 from vime.data.micro_batch import PackedBatch
@@ -146,22 +152,76 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-def _with_norm(spec: Any, norm: type) -> Any:
-    """``spec`` with every ``WrappedTorchNorm`` replaced by ``norm`` (a copy; specs nest)."""
-    if spec is WrappedTorchNorm:
-        return norm
+class PackedDotProductAttention(DotProductAttention):
+    """megatron-core's local core attention, plus packed (THD) rows.
+
+    With ``PackedSeqParams`` queries, keys and values arrive as ``[t, heads, dim]``
+    (RoPE already restarted per run by megatron-core) and attention runs within each
+    run: ``Σ nᵢ²`` work instead of the ``L²`` of a block-diagonal mask. Without them
+    it is megatron-core's own dense path.
+    """
+
+    def __init__(self, config: Any, layer_number: int, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, layer_number, *args, **kwargs)
+        if config.window_size is not None or config.softmax_type != "vanilla":
+            raise ValueError("packed attention supports neither windows nor softmax offsets")
+        # DotProductAttention splits its scale with the softmax under query-key scaling.
+        scaling = self.layer_number if config.apply_query_key_layer_scaling else 1
+        self.packed_scale = self.softmax_scale * scaling
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is None:
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias
+            )
+        if attention_bias is not None:
+            raise ValueError("packed attention takes no attention bias")
+        layout = varlen_attention.layout_of_cu_seqlens(packed_seq_params.cu_seqlens_q)
+        dropout = self.config.attention_dropout if self.training else 0.0
+
+        def attend() -> torch.Tensor:
+            q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+            return varlen_attention.packed_causal_attention(
+                q, k, v, layout, scale=self.packed_scale, dropout_p=dropout
+            )
+
+        if dropout and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():  # as DotProductAttention
+                out = attend()
+        else:
+            out = attend()
+        return out.reshape(out.shape[0], self.hidden_size_per_partition)
+
+
+def _with_module(spec: Any, old: type, new: type) -> Any:
+    """``spec`` with every ``old`` module class replaced by ``new`` (a copy; specs nest)."""
+    if spec is old:
+        return new
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        fields = {f.name: _with_norm(getattr(spec, f.name), norm) for f in dataclasses.fields(spec)}
+        fields = {
+            f.name: _with_module(getattr(spec, f.name), old, new) for f in dataclasses.fields(spec)
+        }
         return dataclasses.replace(spec, **fields)
     return spec
 
 
 def local_block_spec(tcfg: Any) -> TransformerBlockSubmodules:
-    """megatron-core's local (no TransformerEngine) GPT layers, with ``RMSNorm`` norms,
-    as a whole-block spec so the block's final norm is ``RMSNorm`` too. A block spec
-    lists this pipeline stage's layers only (all of them without pipelining)."""
+    """megatron-core's local (no TransformerEngine) GPT layers, with ``RMSNorm`` norms and
+    ``PackedDotProductAttention``, as a whole-block spec so the block's final norm is
+    ``RMSNorm`` too. A block spec lists this pipeline stage's layers only (all of them
+    without pipelining)."""
     layer = get_gpt_layer_local_spec(qk_layernorm=tcfg.qk_layernorm, normalization="RMSNorm")
-    layer = _with_norm(layer, RMSNorm)
+    layer = _with_module(layer, WrappedTorchNorm, RMSNorm)
+    layer = _with_module(layer, DotProductAttention, PackedDotProductAttention)
     count = get_num_layers_to_build(tcfg)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=RMSNorm)
 
@@ -227,15 +287,35 @@ def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ~(same & causal).unsqueeze(1)
 
 
+def packed_seq_params(packed: PackedBatch) -> PackedSeqParams:
+    """The THD description of a packed row: one run per sample, plus the padding run."""
+    cu_seqlens = packed.run_cu_seqlens().to(packed.input_ids.device)
+    longest = packed.max_run_length
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
 def stage_forward(model: PackedRowGPTModel, packed: PackedBatch) -> torch.Tensor:
     """This pipeline stage's output for a packed row: vocab-parallel logits ``[1, L, V/TP]``
     on the last stage, hidden states ``[L, 1, H]`` (``L/TP`` under sequence parallel)
-    elsewhere. Stages after the first read their input from ``set_input_tensor``.
+    elsewhere. Stages after the first read their input from ``set_input_tensor``."""
+    return model(
+        packed.input_ids,
+        packed.position_ids,
+        None,
+        packed_seq_params=packed_seq_params(packed),
+    )
 
-    The mask is ``L x L`` booleans per row: fine for CPU-sized rows, not for long GPU rows.
-    """
-    mask = block_causal_mask(packed.position_ids)
-    return model(packed.input_ids, packed.position_ids, mask)
+
+def block_mask_forward(model: PackedRowGPTModel, packed: PackedBatch) -> torch.Tensor:
+    """``stage_forward`` the older way: the row as one sequence under ``block_causal_mask``
+    (``L x L`` booleans: fine for CPU-sized rows), megatron-core's dense attention."""
+    return model(packed.input_ids, packed.position_ids, block_causal_mask(packed.position_ids))
 
 
 def full_vocab_logits(model: PackedRowGPTModel, logits: torch.Tensor) -> torch.Tensor:

@@ -158,10 +158,10 @@ def _shim_default_causal_mask() -> None:
 
     Covers ``FusedScaleMaskSoftmax.forward_torch_softmax`` (the local spec's attention
     softmax), which builds its causal mask with ``torch.ones(..., device="cuda")``
-    whenever a forward passes ``attention_mask=None``. vime's own forwards always pass
-    a block-diagonal mask (``model.packed_logits``), but a plain megatron-core forward
-    without one must work too. Patched where it is defined and where
-    ``fused_softmax`` imported it by name.
+    whenever a forward passes ``attention_mask=None`` without ``PackedSeqParams``.
+    vime's own forwards pass packed rows in THD format (``model.stage_forward``), which
+    never reach it, but a plain megatron-core forward must work too. Patched where it
+    is defined and where ``fused_softmax`` imported it by name.
     """
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils

@@ -1,0 +1,120 @@
+"""``vime.backends.varlen_attention``: causal attention per sample of a packed row.
+
+Proves: ``packed_causal_attention`` equals an independent reference -- each sample
+forwarded alone through ``scaled_dot_product_attention(is_causal=True)`` -- in its
+output and in the gradients of queries, keys and values, for rows mixing short and
+long samples (several length buckets), a one-token sample, a row of one sample, and
+grouped-query attention; samples batched together stay isolated (a NaN in one
+sample reaches neither the others' outputs nor their gradients); the layout
+groups samples by power-of-two length, so no sample is padded to more than twice
+its length; the sample boundaries follow transformers' packed-sequence rule; and
+malformed input is refused with a message. The HF-model level (packed logits and
+gradients against per-sample forwards) is in ``test_micro_batch.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vime.backends.varlen_attention import (
+    packed_causal_attention,
+    row_layout,
+    seq_lengths_from_positions,
+)
+
+
+def _reference(q, k, v, lengths, scale):
+    """Every sample alone: [H, L, D] inputs -> [L, H, D]."""
+    outs, start = [], 0
+    for n in lengths:
+        part = slice(start, start + n)
+        out = F.scaled_dot_product_attention(
+            q[:, part], k[:, part], v[:, part], is_causal=True, scale=scale, enable_gqa=True
+        )
+        outs.append(out.transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "kv_heads"),
+    [
+        ([5, 1, 17, 3, 64, 9, 33, 2], 4),
+        ([5, 1, 17, 3, 64, 9, 33, 2], 2),
+        ([40], 4),
+        ([1, 1, 1], 1),
+    ],
+    ids=["mixed", "mixed-gqa", "one-sample", "single-tokens-mqa"],
+)
+def test_equals_each_sample_alone(lengths, kv_heads):
+    gen = torch.Generator().manual_seed(len(lengths) + kv_heads)
+    total, heads, dim = sum(lengths), 4, 16
+
+    def leaf(h):
+        return torch.randn(h, total, dim, generator=gen, dtype=torch.float64).requires_grad_()
+
+    q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
+    weights = torch.randn(total, heads, dim, generator=gen, dtype=torch.float64)
+    got = packed_causal_attention(q, k, v, row_layout(lengths), scale=0.3)
+    want = _reference(q, k, v, lengths, 0.3)
+    assert got.shape == (total, heads, dim)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    grads = torch.autograd.grad((weights * got).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((weights * want).sum(), (q, k, v))
+    for name, g, w in zip("qkv", grads, want_grads, strict=True):
+        # One-token samples attend only to themselves: their output is v, q and k get 0.
+        assert w.abs().max() > 0 or (max(lengths) == 1 and name != "v")
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_samples_are_isolated():
+    # A NaN in one sample's values stays in that sample, forward and backward, although
+    # samples of similar length share one padded batch.
+    lengths = [3, 4, 7]
+    q, k, v = (torch.randn(2, 14, 8, requires_grad=True) for _ in range(3))
+    poisoned = v.detach().clone()
+    poisoned[:, 3] = float("nan")  # first token of sample 1
+    out = packed_causal_attention(q, k, poisoned.requires_grad_(), row_layout(lengths))
+    assert torch.isfinite(out[:3]).all() and torch.isfinite(out[7:]).all()
+    assert torch.isnan(out[3:7]).all()
+    (grad,) = torch.autograd.grad(out[:3].sum() + out[7:].sum(), poisoned)
+    assert torch.isfinite(grad).all() and (grad[:, 3:7] == 0).all()
+
+
+def test_layout_buckets_bound_the_padding():
+    lengths = [1, 2, 3, 4, 5, 8, 9, 16, 17, 100]
+    layout = row_layout(lengths)
+    assert layout.length == sum(lengths)
+    covered = []
+    for index, keep in layout.buckets:
+        width = index.shape[1]
+        real = keep.view(index.shape).sum(1)
+        assert (width <= 2 * real).all() or width == 1
+        covered += index.flatten()[keep].tolist()
+    assert sorted(covered) == list(range(sum(lengths)))
+    assert torch.equal(torch.tensor(covered)[layout.order], torch.arange(sum(lengths)))
+    assert len(layout.buckets) == 7  # 1 | 2 | 3-4 | 5-8 | 9-16 | 17-32 | 65-128 (33-64 empty)
+    with pytest.raises(ValueError, match=">= 1 token"):
+        row_layout([3, 0])
+    with pytest.raises(ValueError, match=">= 1 token"):
+        row_layout([])
+
+
+def test_boundaries_follow_position_restarts():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1]])
+    assert seq_lengths_from_positions(positions) == [3, 2, 1, 4, 2]
+    # A row that does not start at 0 is still one sample (transformers' rule is "does
+    # not follow its predecessor", not "is 0").
+    assert seq_lengths_from_positions(torch.tensor([[4, 5, 6]])) == [3]
+    with pytest.raises(ValueError, match="one packed row"):
+        seq_lengths_from_positions(torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_mismatched_lengths_are_refused():
+    q = torch.randn(2, 6, 8)
+    with pytest.raises(ValueError, match="one length"):
+        packed_causal_attention(q, q[:, :5], q[:, :5], row_layout([6]))
+    with pytest.raises(ValueError, match="one length"):
+        packed_causal_attention(q, q, q, row_layout([2, 3]))

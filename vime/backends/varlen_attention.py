@@ -1,0 +1,197 @@
+"""Causal attention over a packed row, computed per sample instead of over the row.
+
+Where it fits: the training backends forward padding-free rows of many samples
+(``vime.data.micro_batch``). flash-attention's varlen kernel handles such rows on
+GPU; without it (the CPU, or a GPU without flash-attn) attention used to run over
+the whole row under a dense block-diagonal mask, which costs ``L²`` per row although
+only ``Σ nᵢ²`` of it is ever unmasked -- for the embedded default (rows of 1024
+tokens, samples of ~20) that is ~50x wasted work and most of a training step.
+
+``packed_causal_attention`` gathers the samples of a row into a padded batch and
+runs ``scaled_dot_product_attention(is_causal=True)`` on it. Samples are grouped by
+length (power-of-two buckets), so padding at most doubles a sample's length and a
+few long samples do not blow up many short ones. No mask is needed: under causal
+attention a sample's real tokens never see the padding after them, and the padded
+positions' outputs are dropped (so their gradient is exactly zero).
+
+``register_hf`` exposes it to transformers as ``attn_implementation="varlen_sdpa"``,
+with a mask function that builds nothing; the boundaries come from the row's
+``position_ids`` by transformers' own rule (a sample starts wherever the position
+does not follow its predecessor), so it is a drop-in for ``sdpa`` on packed rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+HF_NAME = "varlen_sdpa"
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where the samples of one packed row of ``length`` tokens sit, grouped for attention.
+
+    Each bucket is ``(index, keep)``: ``index`` ``[n, M]`` gathers n samples (each
+    padded to the bucket's longest, M) from the row; ``keep`` ``[n*M]`` marks the
+    real tokens. ``order`` ``[length]`` takes the buckets' concatenated real tokens
+    back to row order.
+    """
+
+    length: int
+    buckets: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    order: torch.Tensor
+
+
+def row_layout(seq_lengths: list[int], device: torch.device | str = "cpu") -> RowLayout:
+    """The layout of a row holding samples of ``seq_lengths`` tokens, in order."""
+    if not seq_lengths or min(seq_lengths) < 1:
+        raise ValueError(f"a packed row needs samples of >= 1 token, got lengths {seq_lengths}")
+    starts, offset = [], 0
+    for n in seq_lengths:
+        starts.append(offset)
+        offset += n
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(seq_lengths):
+        groups.setdefault((n - 1).bit_length(), []).append(i)
+    buckets, positions = [], []
+    for key in sorted(groups):
+        members = groups[key]
+        lengths = torch.tensor([seq_lengths[i] for i in members])
+        width = int(lengths.max())
+        steps = torch.arange(width)
+        index = torch.tensor([starts[i] for i in members])[:, None] + steps
+        real = steps < lengths[:, None]
+        # Padded slots read the sample's own first token: any in-row index would do.
+        index = torch.where(real, index, index[:, :1])
+        buckets.append((index.to(device), real.flatten().to(device)))
+        positions.append(index[real])
+    order = torch.argsort(torch.cat(positions))
+    return RowLayout(offset, tuple(buckets), order.to(device))
+
+
+def packed_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: RowLayout,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention within each sample of a packed row.
+
+    ``query`` is ``[H, L, D]``, ``key``/``value`` ``[Hkv, L, D]`` (grouped-query
+    attention when Hkv divides H); returns ``[L, H, D]``, the layout the output
+    projection reads.
+    """
+    heads, length, dim = query.shape
+    if key.shape[1] != length or layout.length != length:
+        raise ValueError(
+            f"packed attention needs queries, keys and layout of one length, got "
+            f"{length}, {key.shape[1]} and {layout.length}"
+        )
+    gqa = key.shape[0] != heads
+    parts = []
+    for index, keep in layout.buckets:
+        n, width = index.shape
+
+        def gather(t: torch.Tensor, index: torch.Tensor = index) -> torch.Tensor:
+            return t[:, index].transpose(0, 1)  # [n, heads, M, D]
+
+        out = F.scaled_dot_product_attention(
+            gather(query),
+            gather(key),
+            gather(value),
+            dropout_p=dropout_p,
+            is_causal=True,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        parts.append(out.transpose(1, 2).reshape(n * width, heads, dim)[keep])
+    return torch.cat(parts)[layout.order]
+
+
+def seq_lengths_from_positions(position_ids: torch.Tensor) -> list[int]:
+    """Sample lengths of a ``[1, L]`` row: a sample starts where the position does not
+    follow the previous one (transformers' packed-sequence rule)."""
+    if position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        raise ValueError(
+            f"{HF_NAME} attention takes one packed row ([1, L] position_ids), got "
+            f"{tuple(position_ids.shape)}; use --attn-implementation sdpa for padded batches"
+        )
+    row = position_ids[0]
+    starts = torch.ones_like(row, dtype=torch.bool)
+    starts[1:] = row[1:] != row[:-1] + 1
+    bounds = torch.cat([torch.nonzero(starts).flatten(), row.new_tensor([row.shape[0]])])
+    return torch.diff(bounds).tolist()
+
+
+class _LayoutCache:
+    """The last row's layout. Every layer of one forward gets the same boundary tensor
+    (``position_ids`` in transformers, ``cu_seqlens`` in megatron-core), so the layout is
+    built once per forward, not once per layer; a new tensor, or an in-place change
+    to this one, builds it again."""
+
+    def __init__(self) -> None:
+        self._key: tuple[torch.Tensor, int] | None = None
+        self._layout: RowLayout | None = None
+
+    def get(
+        self, boundaries: torch.Tensor, lengths_of: Callable[[torch.Tensor], list[int]]
+    ) -> RowLayout:
+        key = self._key
+        if key is None or key[0] is not boundaries or key[1] != boundaries._version:
+            self._layout = row_layout(lengths_of(boundaries), boundaries.device)
+            self._key = (boundaries, boundaries._version)
+        assert self._layout is not None
+        return self._layout
+
+
+_CACHE = _LayoutCache()
+
+
+def layout_of_cu_seqlens(cu_seqlens: torch.Tensor) -> RowLayout:
+    """The (cached) layout of a row whose runs end at ``cu_seqlens[1:]`` (``[0, n₀, ...]``)."""
+    return _CACHE.get(cu_seqlens, lambda cu: torch.diff(cu).tolist())
+
+
+def _hf_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``[1, H, L, D]`` in, ``[1, L, H, D]`` out."""
+    if position_ids is None:
+        raise ValueError(f"{HF_NAME} attention needs the row's position_ids in the forward")
+    if sliding_window is not None:
+        raise ValueError(
+            f"{HF_NAME} attention has no sliding window; use --attn-implementation sdpa"
+        )
+    layout = _CACHE.get(position_ids, seq_lengths_from_positions)
+    out = packed_causal_attention(query[0], key[0], value[0], layout, scaling, dropout)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def register_hf() -> str:
+    """Make ``attn_implementation="varlen_sdpa"`` available to transformers; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(HF_NAME, _hf_attention)
+    AttentionMaskInterface.register(HF_NAME, _no_mask)
+    return HF_NAME
