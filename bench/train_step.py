@@ -68,6 +68,8 @@ FLAGS: tuple[tuple[str, type, Any, str], ...] = (  # flag, type, default, help
     ("naive-micro-batch-size", int, 8, "samples per padded naive micro-batch"),
     ("max-tokens-per-gpu", int, None, "vime's row cap (default: naive micro-batch size x the "
      "longest possible sample, the worst-case activation budget of a naive micro-batch)"),
+    ("vime-flags", str, "", "more vime-train flags for the vime path, e.g. "
+     "'--attn-implementation sdpa' (whole-row attention under a block mask)"),
     ("lr", float, 1e-5, "AdamW learning rate of both paths"),
     ("warmup", int, 1, "untimed steps per path"),
     ("repeats", int, 3, "timed steps per path"),
@@ -166,7 +168,7 @@ def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, 
         f"--use-dynamic-batch-size --max-tokens-per-gpu {cap} --prompt-data builtin:reverse"
     )  # --prompt-data only satisfies validation: the rollout here is made up
     actor = registry.actor_class(args.backend)()
-    actor.init(parse_args(["--hf-checkpoint", hf_dir, *flags.split()]))
+    actor.init(parse_args(["--hf-checkpoint", hf_dir, *flags.split(), *args.vime_flags.split()]))
     sched = schedule(batch, global_batch_size=args.samples, dp_size=1, max_tokens_per_gpu=cap)
     rows = [mb for step in sched.plan.for_rank(0) for mb in step]
 

@@ -17,7 +17,8 @@ and the checkpoint (megatron-core ``dist_checkpointing``) loads without pipelini
 weights and moments bitwise; a TP=1 checkpoint loads at TP=2 with weights and AdamW
 moments bitwise equal in HF names; the distributed optimizer (in bf16) shards the
 AdamW state and main weights over DP and trains bitwise like the plain run, across
-a resume, and its checkpoint loads without it; a non-finite gradient norm skips the step; a
+a resume, and its checkpoint loads without it -- at TP=2 x DP=2 too, every moment
+saved once (megatron-core replica ids); a non-finite gradient norm skips the step; a
 checkpoint of another backend is rejected;
 ``vime-train --train-backend megatron`` runs 2 rollouts end to end (PP=2, the
 default rollout engine, weight sync checked by the trainer's log-prob probe).
@@ -188,6 +189,10 @@ def scenario_save_fresh(actor, args, start):
     return {**result, "moments": _full_moments(actor)}
 
 
+def scenario_train_moments(actor, args, start):
+    return {**scenario_train(actor, args, start), "moments": _full_moments(actor)}
+
+
 def scenario_load(actor, args, start):
     return {"start": start, "weights": _full_weights(actor), "moments": _full_moments(actor)}
 
@@ -242,6 +247,7 @@ SCENARIOS = {
         scenario_train4,
         scenario_save,
         scenario_save_fresh,
+        scenario_train_moments,
         scenario_load,
         scenario_export,
         scenario_nan,
@@ -501,6 +507,34 @@ def test_distributed_optimizer(hf_dir, tmp_path) -> None:
         for name, moments in share.items():
             for key, value in moments.items():
                 assert torch.equal(single["moments"][name][key], value), (name, key)
+
+
+def test_distributed_optimizer_checkpoint_at_tp2(hf_dir, tmp_path) -> None:
+    """At TP=2 x DP=2 the distributed optimizer's checkpoint holds every moment once:
+    a TP-sharded moment from each TP rank of its owner, a TP-replicated one (norms)
+    from one of them (megatron-core replica ids, ``checkpoint._dp_main``). Loaded in
+    one process, every weight and moment equals what the plain TP=2 x DP=2 run holds,
+    bitwise -- a wrong replica id leaves a moment unsaved or saved twice."""
+    ckpt = str(tmp_path / "ckpt")
+    sharded = actor_args(
+        hf_dir, 4, "--megatron-use-distributed-optimizer", "--save", ckpt, backend="megatron", tp=2
+    )
+    plain = run(
+        "megatron", "train_moments", actor_args(hf_dir, 4, backend="megatron", tp=2), 4, tmp_path
+    )
+    run("megatron", "save", sharded, 4, tmp_path)
+    single = run(
+        "megatron", "load", actor_args(hf_dir, 1, "--load", ckpt, backend="megatron"), 1, tmp_path
+    )
+    assert single["start"] == 2
+    for name, weight in plain["weights"].items():
+        assert torch.equal(single["weights"][name], weight), name
+    assert torch.equal(single["moments"]["step"], plain["moments"]["step"])
+    for moment in ADAM_MOMENTS:
+        assert sorted(single["moments"][moment]) == sorted(plain["weights"])
+        for name, value in plain["moments"][moment].items():
+            assert value.abs().sum() > 0, f"{name}: {moment} never written"
+            assert torch.equal(single["moments"][moment][name], value), (moment, name)
 
 
 def test_vime_train_end_to_end(tmp_path) -> None:
