@@ -7,12 +7,13 @@ weights parameter by parameter in HF names -- on a second rollout whose KL term 
 against a reference that by then differs from the actor, with the entropy term on,
 and through ``train`` (two optimizer steps per rollout: old log-probs recomputed).
 Checked for Qwen3 at TP=1/DP=1, TP=2 (two gloo processes) and DP=2, for a tied
-Llama at TP=2 and at TP=2 x PP=2 with sequence parallel (four processes), and for a
-four-layer tied Llama at PP=4 (two middle stages without embeddings or output).
+Llama at TP=2, and for a four-layer tied Llama at TP=2 x PP=2 with sequence parallel
+and stages of one and three layers (four processes) and at PP=4 (two middle stages
+without embeddings or output).
 
 Also: the weight source yields exactly the HF weights it loaded, in HF-named
-buckets under the budget, and the HF export reloads in transformers; at PP=2,
-save -> new processes -> load -> continue equals the uninterrupted run bitwise,
+buckets under the budget, and the HF export reloads in transformers; at PP=2
+(uneven), save -> new processes -> load -> continue equals the uninterrupted run bitwise,
 and the checkpoint (megatron-core ``dist_checkpointing``) loads without pipelining,
 weights and moments bitwise; a TP=1 checkpoint loads at TP=2 with weights and AdamW
 moments bitwise equal in HF names; the distributed optimizer (in bf16) shards the
@@ -273,10 +274,16 @@ def _assert_aligned(fsdp: dict, mega: dict) -> None:
     assert fsdp["grad_norm"] > 1e-3
     assert mega["grad_norm"] == pytest.approx(fsdp["grad_norm"], rel=1e-5)
     assert sorted(mega["weights"]) == sorted(fsdp["weights"])
-    # Three AdamW steps: 1/sqrt(v) turns 1e-7 gradient differences on tiny-gradient
-    # weights into ~1e-6 of a 1e-3 step.
+    # Three AdamW steps of lr 1e-3. AdamW's step is m/sqrt(v): for an element whose
+    # gradient is near Adam's eps (1e-8; e.g. the tied embedding row of a token the
+    # batch never shows), fp32 summation-order noise of ~1e-7 relative in the two
+    # backends' gradients moves its step by up to a few 1e-5 (measured: 2.3e-5, one
+    # element of 4096). So: every element within 5 % of one step, and all but one in
+    # a thousand within 1 %. A real gradient bug shifts most elements by ~1e-3.
     for name, weight in fsdp["weights"].items():
-        torch.testing.assert_close(mega["weights"][name], weight, rtol=1e-4, atol=1e-5)
+        diff = (mega["weights"][name] - weight).abs()
+        assert diff.max() <= 5e-5, (name, float(diff.max()))
+        assert (diff > 1e-5).float().mean() <= 1e-3, (name, int((diff > 1e-5).sum()))
 
 
 _FSDP_REFERENCES: dict[str, dict] = {}
@@ -297,7 +304,13 @@ def _fsdp_reference(model_dir: str, tmp_path: Path) -> dict:
         ("qwen3", 2, 2, 1, ()),
         ("qwen3", 2, 1, 1, ()),
         ("llama_tied", 2, 2, 1, ()),
-        ("llama_tied", 4, 2, 2, ("--megatron-sequence-parallel",)),
+        (
+            "llama_tied_4l",
+            4,
+            2,
+            2,
+            ("--megatron-sequence-parallel", "--megatron-decoder-first-pipeline-num-layers", "1"),
+        ),
         ("llama_tied_4l", 4, 1, 4, ()),
     ],
     ids=[
@@ -305,7 +318,7 @@ def _fsdp_reference(model_dir: str, tmp_path: Path) -> dict:
         "qwen3-tp2",
         "qwen3-dp2",
         "llama_tied-tp2",
-        "llama_tied-tp2-pp2-sp",
+        "llama_tied_4l-tp2-pp2-sp-uneven",
         "llama_tied_4l-pp4",
     ],
 )
@@ -345,15 +358,20 @@ def test_hf_export_and_buckets(hf_dir, tmp_path) -> None:
         assert len(bucket) == 1 or sum(sizes) <= 40_000
 
 
-def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
-    """At PP=2 (one layer per stage): save -> new processes -> load -> continue equals the
-    uninterrupted run bitwise, and the same checkpoint loads in one process without
-    pipelining, weights and AdamW moments bitwise equal in HF names. (TP re-splitting
-    is ``test_checkpoint_is_dist_checkpointing_and_reshards``.)"""
+def test_resume_equals_uninterrupted(llama4_dir, tmp_path) -> None:
+    """At PP=2, split unevenly (one layer, then three; tied embeddings): save -> new
+    processes -> load -> continue equals the uninterrupted run bitwise, and the same
+    checkpoint loads in one process without pipelining, weights and AdamW moments
+    bitwise equal in HF names. (TP re-splitting is
+    ``test_checkpoint_is_dist_checkpointing_and_reshards``.)"""
     ckpt = str(tmp_path / "ckpt")
 
     def args(world: int, pp: int, *extra: str):
-        return actor_args(hf_dir, world, "--num-rollout", "4", *extra, backend="megatron", pp=pp)
+        if pp > 1:
+            extra = (*extra, "--megatron-decoder-first-pipeline-num-layers", "1")
+        return actor_args(
+            llama4_dir, world, "--num-rollout", "4", *extra, backend="megatron", pp=pp
+        )
 
     whole = run("megatron", "train4", args(2, 2), 2, tmp_path)
     first = run("megatron", "save_fresh", args(2, 2, "--save", ckpt), 2, tmp_path)

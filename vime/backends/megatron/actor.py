@@ -130,7 +130,11 @@ class MegatronActor(PolicyTrainActor):
         """The process groups, this rank's place in them and its pipeline stage."""
         tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         num_layers = int(self.hf_config.num_hidden_layers)
-        pipeline.Stage(0, self.pp, num_layers, tied)  # fail before any group is made
+        split = {
+            "first_stage_layers": self.args.megatron_decoder_first_pipeline_num_layers,
+            "last_stage_layers": self.args.megatron_decoder_last_pipeline_num_layers,
+        }
+        pipeline.Stage(0, self.pp, num_layers, tied, **split)  # fail before any group is made
         mmodel.init_model_parallel(tp=self.tp, pp=self.pp, seed=self.args.seed)
         from megatron.core import parallel_state as ps
 
@@ -143,7 +147,7 @@ class MegatronActor(PolicyTrainActor):
         self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
         self._dp_rank = ps.get_data_parallel_rank()
         pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.stage = pipeline.Stage(pp_rank, self.pp, num_layers, tied)
+        self.stage = pipeline.Stage(pp_rank, self.pp, num_layers, tied, **split)
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
         # The group whose ranks hold different parts of one replica's gradient.
@@ -163,6 +167,8 @@ class MegatronActor(PolicyTrainActor):
             params_dtype=self.param_dtype,
             sequence_parallel=bool(self.args.megatron_sequence_parallel),
             pipeline_model_parallel_size=self.pp,
+            num_layers_in_first_pipeline_stage=self.stage.first_stage_layers,
+            num_layers_in_last_pipeline_stage=self.stage.last_stage_layers,
             # Packed rows differ in length; vime's loss carries its own normalizers.
             variable_seq_lengths=pipelined,
             calculate_per_token_loss=pipelined,

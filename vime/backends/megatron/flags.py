@@ -8,6 +8,7 @@ Argparse only: importing this module must not import torch or megatron-core.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -26,7 +27,21 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--megatron-pipeline-parallel-size",
         type=int,
         default=1,
-        help="pipeline-parallel stages: the layers are split evenly over them (1F1B schedule)",
+        help="pipeline-parallel stages (1F1B schedule): the layers are split evenly over them "
+        "unless the end stages get their own counts (below)",
+    )
+    g.add_argument(
+        "--megatron-decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="layers on the first pipeline stage (it also holds the embeddings); the "
+        "stages without a fixed count split the rest evenly",
+    )
+    g.add_argument(
+        "--megatron-decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="layers on the last pipeline stage (it also holds the output layer and loss)",
     )
     g.add_argument(
         "--megatron-sequence-parallel",
@@ -74,18 +89,70 @@ def validate(args: argparse.Namespace) -> int:
     return world // (tp * pp)
 
 
-def _check_layers(args: argparse.Namespace, pp: int) -> None:
-    """Pipeline stages take equal runs of layers: P must divide the model's layer count,
-    read from the checkpoint's ``config.json`` (plain JSON, so parsing stays light)."""
-    if pp == 1 or not args.hf_checkpoint:
-        return
-    config = Path(args.hf_checkpoint) / "config.json"
-    try:
-        layers = int(json.loads(config.read_text())["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # the model's own loader reports an unreadable config
-    if layers % pp:
-        raise ConfigError(
-            f"--megatron-pipeline-parallel-size {pp} does not divide the {layers} layers of "
-            f"{args.hf_checkpoint}; pick a divisor of {layers}"
+def stage_layer_counts(
+    num_layers: int, stages: int, first: int | None = None, last: int | None = None
+) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage: ``first`` / ``last`` on the end stages when
+    given, the rest split evenly over the others (megatron-core's uneven rule,
+    ``transformer_block.get_num_layers_to_build``). Every stage gets at least one.
+
+    Raises ``ValueError`` with the fix when the split is impossible.
+    """
+    fixed = {"--megatron-decoder-first-pipeline-num-layers": first}
+    fixed["--megatron-decoder-last-pipeline-num-layers"] = last
+    given = {flag: n for flag, n in fixed.items() if n is not None}
+    for flag, n in given.items():
+        if stages == 1:
+            raise ValueError(f"{flag} needs --megatron-pipeline-parallel-size > 1")
+        if n < 1:
+            raise ValueError(f"{flag} must be >= 1, got {n}")
+    free = stages - len(given)
+    rest = num_layers - sum(given.values())
+    if free == 0 and rest != 0:
+        raise ValueError(
+            f"the first and last stages' {num_layers - rest} layers must add up to the "
+            f"model's {num_layers}"
         )
+    if free and (rest < free or rest % free):
+        split = f"{rest} layers left" if given else f"the model's {num_layers} layers"
+        raise ValueError(
+            f"{split} do not split evenly over {free} pipeline stage(s) "
+            "(--megatron-pipeline-parallel-size, --megatron-decoder-first/last-pipeline-"
+            "num-layers)"
+        )
+    each = rest // free if free else 0
+    counts = [each] * stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return tuple(counts)
+
+
+def _check_layers(args: argparse.Namespace, pp: int) -> None:
+    """The layers must split over the pipeline stages (``stage_layer_counts``); the
+    layer count is read from the checkpoint's ``config.json`` (plain JSON, so parsing
+    stays light)."""
+    first = args.megatron_decoder_first_pipeline_num_layers
+    last = args.megatron_decoder_last_pipeline_num_layers
+    if pp == 1 and first is None and last is None:
+        return
+    layers = None
+    if args.hf_checkpoint:
+        config = Path(args.hf_checkpoint) / "config.json"
+        # An unreadable config is the model loader's to report.
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            layers = int(json.loads(config.read_text())["num_hidden_layers"])
+    if layers is None:
+        # Unknown model size: check the flags alone, against a model they split exactly
+        # (one layer on each stage without a fixed count).
+        fixed = [n for n in (first, last) if n is not None]
+        layers = sum(fixed) + max(pp - len(fixed), 0)
+        args_only = True
+    else:
+        args_only = False
+    try:
+        stage_layer_counts(layers, pp, first, last)
+    except ValueError as err:
+        where = "" if args_only else f"{args.hf_checkpoint}: "
+        raise ConfigError(f"{where}{err}") from None

@@ -1,13 +1,16 @@
 """Pipeline parallelism for the megatron backend: what each stage holds, and the schedule.
 
 Where it fits: ``MegatronActor`` with ``--megatron-pipeline-parallel-size`` P > 1.
-The decoder layers are split into P equal, consecutive runs, one per pipeline
-stage; the first stage also holds the word embeddings, the last the final norm
-and the output layer. ``Stage`` says which megatron parameter lives where and
-translates between a stage's own (local) parameter names and the model's global
-ones, which is what HF conversion (``convert.param_map``) and the weight source
-are written in. ``run_schedule`` drives the planner's micro-batches through
-megatron-core's non-interleaved 1F1B schedule: each stage forwards what it
+The decoder layers are split into P consecutive runs, one per pipeline stage: equal
+runs, or ``--megatron-decoder-first/last-pipeline-num-layers`` on the end stages and
+equal runs between (``flags.stage_layer_counts``, megatron-core's uneven rule, for
+end stages that also carry the embeddings and the loss). The first stage also
+holds the word embeddings, the last the final norm and the output layer.
+``Stage`` says which megatron parameter lives where and translates between a
+stage's own (local) parameter names and the model's global ones, which is what HF
+conversion (``convert.param_map``) and the weight source are written in.
+``run_schedule`` drives the planner's micro-batches through megatron-core's
+non-interleaved 1F1B schedule: each stage forwards what it
 received, the last stage turns its logits into vime's loss, and gradients flow
 back through megatron-core's point-to-point sends (gloo on the CPU, NCCL on GPU).
 
@@ -21,12 +24,16 @@ source and the gradient norm count the copy once: on the first stage.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+
+from vime.backends.megatron.flags import stage_layer_counts
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -37,27 +44,32 @@ Item = TypeVar("Item")
 
 @dataclass(frozen=True)
 class Stage:
-    """Pipeline stage ``rank`` of ``size`` over a model of ``num_layers`` decoder layers."""
+    """Pipeline stage ``rank`` of ``size`` over a model of ``num_layers`` decoder layers,
+    ``first_stage_layers`` / ``last_stage_layers`` on the end stages when given."""
 
     rank: int
     size: int
     num_layers: int
     tied: bool  # word embeddings double as the output layer
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    # Global index of each stage's first layer, then num_layers.
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.num_layers % self.size:
-            raise ValueError(
-                f"pipeline-parallel size {self.size} must divide the model's "
-                f"{self.num_layers} layers (--megatron-pipeline-parallel-size)"
-            )
+        counts = stage_layer_counts(
+            self.num_layers, self.size, self.first_stage_layers, self.last_stage_layers
+        )
+        object.__setattr__(self, "_starts", tuple(itertools.accumulate(counts, initial=0)))
 
     @property
-    def layers_per_stage(self) -> int:
-        return self.num_layers // self.size
+    def layer_counts(self) -> tuple[int, ...]:
+        """Decoder layers held by each stage, in stage order."""
+        return tuple(b - a for a, b in itertools.pairwise(self._starts))
 
     @property
     def first_layer(self) -> int:
-        return self.rank * self.layers_per_stage
+        return self._starts[self.rank]
 
     @property
     def is_first(self) -> bool:
@@ -71,7 +83,8 @@ class Stage:
         """The stage that holds (and, for the tied copy, exports) global parameter ``name``."""
         layer = _LAYER.match(name)
         if layer:
-            return int(layer.group(1)) // self.layers_per_stage
+            # The last stage whose first layer is at or before this one.
+            return bisect.bisect_right(self._starts, int(layer.group(1))) - 1
         if name.startswith("embedding."):
             return 0
         return self.size - 1  # decoder.final_layernorm, output_layer
