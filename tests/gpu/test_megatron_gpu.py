@@ -8,10 +8,13 @@ per-token log-probs, the same step-0 loss and the same gradient norm within
 fp32 GPU tolerances, and a non-zero gradient. TF32 is switched off so both run
 true fp32 matmuls. The same again in bf16 (megatron: bf16 weights with fp32 main
 weights; fsdp2: bf16 compute over fp32 shards, fp32 reduction) within bf16
-tolerances. Skipped without CUDA (``conftest.py``).
+tolerances. And megatron's packed rows in THD format (vime's per-sample attention)
+give the logits of the same row under a block-diagonal mask (megatron-core's dense
+attention), in fp32. Skipped without CUDA (``conftest.py``).
 
-What is not here because it is not built: TransformerEngine THD packing (the
-megatron actor runs its block-diagonal mask path on the GPU too).
+What is not here because it is not built: TransformerEngine's attention (the
+megatron actor runs THD rows through vime's per-sample torch attention on the GPU
+too).
 """
 
 from __future__ import annotations
@@ -115,6 +118,23 @@ def _step0(actor) -> dict:
     return {"logp": logp, "loss": loss, "grad_norm": norm}
 
 
+def _thd_against_block_mask(actor) -> dict:
+    """Max |logit difference| of one packed row (3 samples and padding) forwarded in THD
+    format and under a block mask, and the logits' scale."""
+    from vime.backends.megatron import model as mmodel
+    from vime.data.micro_batch import pack_micro_batch
+
+    batch = _schedule().batch
+    packed = pack_micro_batch(batch.tokens[:3], batch.prompt_lengths[:3], pad_to_multiple_of=64)
+    packed = packed.to(actor.device)
+    with torch.no_grad():
+        thd = mmodel.packed_logits(actor.model, packed)
+        block = mmodel.full_vocab_logits(
+            actor.model, mmodel.block_mask_forward(actor.model, packed)
+        )
+    return {"diff": float((thd - block).abs().max()), "scale": float(block.abs().max())}
+
+
 def _worker(rank: int, port: int, hf: str, out: str) -> None:
     os.environ.update(
         RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -132,6 +152,8 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
             key = backend if dtype == "float32" else f"{backend}-bf16"
             results[key] = _step0(actor)
             results[key]["device"] = str(actor.device)
+            if key == "megatron":
+                results["thd"] = _thd_against_block_mask(actor)
             del actor
             torch.cuda.empty_cache()
     torch.save(results, out)
@@ -162,6 +184,13 @@ def test_loss_and_grad_norm_agree(got) -> None:
     assert fsdp["grad_norm"] > 1e-3, "zero gradient: the comparison would prove nothing"
     assert mega["grad_norm"] == pytest.approx(fsdp["grad_norm"], rel=NORM_RTOL)
     assert mega["loss"] == pytest.approx(fsdp["loss"], rel=NORM_RTOL, abs=1e-5)
+
+
+def test_thd_rows_match_the_block_mask(got) -> None:
+    # Same weights, same row, two attention kernels: fp32 op noise (~1e-6 relative)
+    # over 28 blocks, as above; a boundary or RoPE error moves logits by O(scale).
+    assert got["thd"]["scale"] > 1e-3
+    assert got["thd"]["diff"] <= 1e-3 * got["thd"]["scale"]
 
 
 def test_bf16_backends_agree(got) -> None:
