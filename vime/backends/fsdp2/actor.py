@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig
 
 from vime import checkpoint
 from vime import device as vime_device
@@ -49,7 +50,10 @@ class FSDP2Actor(PolicyTrainActor):
             mesh=mesh,
             device=self.device,
             attn_implementation=fsdp_model.resolve_attn_implementation(
-                args.attn_implementation, self.device, param_dtype
+                args.attn_implementation,
+                self.device,
+                param_dtype,
+                AutoConfig.from_pretrained(args.hf_checkpoint),
             ),
             shard_kwargs={
                 "block_classes": args.fsdp_block_classes,

@@ -53,15 +53,22 @@ def build_mesh(mode: str, world: int, shard_size: int | None, device: torch.devi
     )
 
 
-def resolve_attn_implementation(name: str, device: torch.device, param_dtype: torch.dtype) -> str:
+def resolve_attn_implementation(
+    name: str, device: torch.device, param_dtype: torch.dtype, hf_config: Any = None
+) -> str:
     """``auto``: flash-attention (varlen over packed rows) on GPU when installed and the
     compute dtype is 16-bit, which is all it supports; otherwise ``varlen_sdpa``, torch's
     attention per sample of the packed row (``vime.backends.varlen_attention``), which
-    this call registers with transformers. ``sdpa`` is the same math over the whole row
-    under a block-diagonal mask."""
+    this call registers with transformers -- unless ``hf_config`` has sliding-window
+    layers, which only ``sdpa`` (the same math over the whole row under a block mask)
+    also handles."""
     if name == "auto":
         half = param_dtype in (torch.bfloat16, torch.float16)
-        name = "flash_attention_2" if half and vime_device.has_flash_attn() else "varlen_sdpa"
+        sliding = "sliding_attention" in (getattr(hf_config, "layer_types", None) or ())
+        if half and vime_device.has_flash_attn():
+            name = "flash_attention_2"
+        else:
+            name = "sdpa" if sliding else varlen_attention.HF_NAME
     if name == varlen_attention.HF_NAME:
         varlen_attention.register_hf()
     return name
