@@ -9,7 +9,11 @@ per prompt come back in prompt order; with top-k the log-probs are those of the
 renormalised truncated distribution, greedy ones are at T = 1; EOS from the checkpoint config and
 ``stop_token_ids`` end completions (token kept, finish "stop"); ``update_weights``
 makes the engine serve the new weights (stale prefix cache dropped) and
-advances ``weight_version``; building the engine leaves the caller's RNG alone;
+advances ``weight_version``; loading one bucket per call, as the broadcast and
+CUDA-IPC receivers do, serves the new weights exactly when the stream is re-cut
+by ``WholeLayers`` -- and leaves fused layers stale when it is not (vLLM's reload
+restores any layer a call did not fully cover: the reason ``WholeLayers`` exists);
+building the engine leaves the caller's RNG alone;
 importing the module does not import vLLM; an engine actor started by
 ``EngineGroup`` runs with ``OMP_WAIT_POLICY=PASSIVE`` even when the driver has
 ``ACTIVE`` (an idle engine then leaves its core to training: bench/engine_idle.py).
@@ -244,6 +248,34 @@ def test_update_weights_serves_new_model(setup: SimpleNamespace) -> None:
     restored = engine.generate([prompt], params)[0][0]
     assert restored.response_ids == before.response_ids
     assert _max_diff(restored.log_probs, before.log_probs) < 1e-5
+
+
+def test_bucket_by_bucket_loads_need_whole_layers(setup: SimpleNamespace) -> None:
+    from vime.weights.buckets import WholeLayers
+
+    engine, version = setup.engine, setup.engine.weight_version
+    prompt = [3, 9, 4, 17, 2, 30, 11]
+    new_model = _random_model(seed=2, eos=setup.eos)
+    items = list(new_model.state_dict().items())
+    ids = [*prompt, 8, 1, 5, 12]
+
+    def served_diff() -> float:
+        scored = engine.score(ids, len(prompt), 1.0)
+        return _max_diff(scored, _reference(new_model, ids, len(prompt), 1.0))
+
+    try:
+        for item in items:  # one tensor per call: q, k and v of a layer in different calls
+            engine.update_weights([[item]], version)
+        assert served_diff() > 1e-2
+        layers = WholeLayers()
+        for item in items:
+            ready = layers.feed([item])
+            if ready:
+                engine.update_weights([ready], version)
+        engine.update_weights([layers.flush()], version)
+        assert served_diff() < 1e-4
+    finally:
+        engine.update_weights([list(setup.model.state_dict().items())], version)
 
 
 def test_update_weights_with_tied_embeddings(tmp_path: Path) -> None:

@@ -62,7 +62,9 @@ def engine(tmp_path_factory):
     from vime.rollout.vllm_engine import VLLMEngine
 
     folder = _checkpoint(tmp_path_factory.mktemp("ckpt") / "model")
-    return VLLMEngine(folder, dtype="bfloat16", gpu_memory_utilization=0.3), folder
+    # Eager: the compile and CUDA-graph capture would take a minute of a short lease.
+    engine = VLLMEngine(folder, dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=True)
+    return engine, folder
 
 
 def test_sampled_log_probs_match_transformers_in_bf16(engine) -> None:

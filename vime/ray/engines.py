@@ -17,6 +17,7 @@ import ray
 
 from vime.ray.placement import Placement, wait_all
 from vime.rollout.types import Completion, SamplingParams
+from vime.weights.buckets import WholeLayers
 
 # Set in every engine actor's process before it starts. OpenMP (the libgomp that torch
 # and vLLM's CPU kernels run on) reads its wait policy once, when the library loads, so
@@ -66,6 +67,7 @@ class EngineActor:
             raise ValueError(f"unknown rollout engine {kind!r}; choose vllm or hf")
         self.engine.weight_version = 0
         self._group = None
+        self._whole_layers = WholeLayers()
 
     def ready(self) -> int:
         return os.getpid()
@@ -97,20 +99,30 @@ class EngineActor:
         self._group = BroadcastGroup(host, port, rank, world, backend=backend)
 
     def receive_bucket(self, metadata: list[Any]) -> None:
-        bucket = self._group.receive(metadata)
-        # Partial loads keep the served version until finish_update names the new one.
-        self.engine.update_weights([bucket], self.engine.weight_version)
+        self._load_partial(self._group.receive(metadata), copy=False)
 
     def receive_cuda_ipc(self, handles: list[Any]) -> None:
         import torch
 
         from vime.weights.transports import open_cuda_bucket
 
-        bucket = open_cuda_bucket(handles, torch.cuda.current_device())
-        self.engine.update_weights([bucket], self.engine.weight_version)
+        self._load_partial(open_cuda_bucket(handles, torch.cuda.current_device()), copy=True)
         torch.cuda.synchronize()  # copied out before the sender may free the memory
 
+    def _load_partial(self, bucket: list[Any], *, copy: bool) -> None:
+        """Load the bucket's whole layers now; a layer that may go on in the next bucket
+        waits for it (``WholeLayers``). Partial loads keep the served version until
+        ``finish_update`` loads the rest and names the new one."""
+        ready = self._whole_layers.feed(bucket, copy=copy)
+        if ready:
+            self.engine.update_weights([ready], self.engine.weight_version, partial=True)
+
     def finish_update(self, version: int) -> int:
+        # WholeLayers holds back the last layer until the stream ends, so this final
+        # call (the one that checks the set is complete) always has weights to load.
+        rest = self._whole_layers.flush()
+        if rest:
+            self.engine.update_weights([rest], version)
         self.engine.weight_version = version
         return version
 

@@ -171,6 +171,11 @@ class VLLMEngine:
         on_cuda = _on_cuda()
         if not on_cuda:
             _prepare_cpu_env()
+        else:
+            # torch.cuda.is_available() (in _on_cuda) poisons fork, and vLLM forks its
+            # engine process unless CUDA is already initialised: the child would fail
+            # with "Cannot re-initialize CUDA in forked subprocess".
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.sleep_mode = on_cuda if enable_sleep_mode is None else enable_sleep_mode
         self.checkpoint = str(checkpoint)
         self.weight_version = 0
@@ -299,8 +304,12 @@ class VLLMEngine:
         steps = zip(output.prompt_logprobs[prompt_len:], token_ids[prompt_len:], strict=True)
         return [step[token].logprob for step, token in steps]
 
-    def update_weights(self, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
-        """Load a full set of HF-named tensors, bucket by bucket, and serve ``version``.
+    def update_weights(
+        self, buckets: Iterable[list[tuple[str, Any]]], version: int, *, partial: bool = False
+    ) -> None:
+        """Load a full set of HF-named tensors, bucket by bucket, and serve ``version``
+        (``partial``: part of a set, each layer whole; the version stays until the
+        final call).
 
         All buckets go through *one* ``reload_weights`` call: vLLM's in-place
         reload restores any layer a call did not fully cover, so a fused layer
@@ -325,7 +334,8 @@ class VLLMEngine:
                 self._llm.collective_rpc("vime_reload_from_files", args=(paths,))
         # Cached prefixes hold KV computed with the old weights.
         self._llm.reset_prefix_cache()
-        self.weight_version = version
+        if not partial:
+            self.weight_version = version
 
     def sleep(self) -> None:
         """Free accelerator memory (weights offloaded, KV cache dropped).

@@ -180,6 +180,9 @@ class MegatronActor(PolicyTrainActor):
         model = mmodel.build_gpt_model(
             self.hf_config, tcfg, pre_process=self.stage.is_first, post_process=self.stage.is_last
         )
+        # megatron-core builds its layers on the GPU, but leaves modules it did not make
+        # where they were made; the whole model goes to this rank's device.
+        model.to(self.device)
         # Every rank reads the checkpoint and keeps its stage's TP shard (fine on the host).
         hf_state = read_hf_state(self.args.hf_checkpoint)
         self.hf_shapes = {name: tuple(t.shape) for name, t in hf_state.items()}

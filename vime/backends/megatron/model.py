@@ -62,13 +62,14 @@ def init_model_parallel(
     on the CPU generator.
     """
     apply_cpu_shims()
+    device = vime_device.local_device()  # this rank's GPU current before megatron seeds it
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         if backend is None:
-            backend = vime_device.process_group_backend(vime_device.local_device())
+            backend = vime_device.process_group_backend(device)
         dist.init_process_group(backend=backend)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
@@ -147,8 +148,11 @@ class RMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        # In the model's dtype, as megatron-core's norms: bf16 weights under bf16 training.
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        # In the model's dtype, as megatron-core's norms: bf16 weights under bf16 training;
+        # and where megatron-core puts its own layers (the GPU, unless it initialises on
+        # the host).
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
