@@ -8,7 +8,9 @@ grouped-query attention; samples batched together stay isolated (a NaN in one
 sample reaches neither the others' outputs nor their gradients); the layout
 groups samples by power-of-two length, so no sample is padded to more than twice
 its length; the sample boundaries follow transformers' packed-sequence rule; and
-malformed input is refused with a message. The HF-model level (packed logits and
+malformed input is refused with a message -- also by the transformers entry
+point, which names the fix for a model with sliding windows or a forward without
+``position_ids``. The HF-model level (packed logits and
 gradients against per-sample forwards) is in ``test_micro_batch.py``.
 """
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from vime.backends.varlen_attention import (
+    _hf_attention,
     packed_causal_attention,
     row_layout,
     seq_lengths_from_positions,
@@ -118,3 +121,14 @@ def test_mismatched_lengths_are_refused():
         packed_causal_attention(q, q[:, :5], q[:, :5], row_layout([6]))
     with pytest.raises(ValueError, match="one length"):
         packed_causal_attention(q, q, q, row_layout([2, 3]))
+
+
+def test_transformers_entry_point_refusals():
+    q = torch.randn(1, 2, 6, 8)
+    positions = torch.arange(6)[None]
+    with pytest.raises(ValueError, match="no sliding window; use --attn-implementation sdpa"):
+        _hf_attention(None, q, q, q, None, sliding_window=4, position_ids=positions)
+    with pytest.raises(ValueError, match="needs the row's position_ids"):
+        _hf_attention(None, q, q, q, None)
+    out, weights = _hf_attention(None, q, q, q, None, position_ids=positions)
+    assert out.shape == (1, 6, 2, 8) and weights is None
