@@ -168,8 +168,11 @@ class WholeLayers:
         while cut > 0 and layer_of(items[cut - 1][0]) == last:
             cut -= 1
         ready, held = items[:cut], items[cut:]
-        fresh = {id(t) for _, t in self._held}
-        self._held = [(name, t.clone() if copy and id(t) not in fresh else t) for name, t in held]
+        # What was held before is already a copy where one was needed.
+        held_before = {id(t) for _, t in self._held}
+        self._held = [
+            (name, t.clone() if copy and id(t) not in held_before else t) for name, t in held
+        ]
         return ready
 
     def flush(self) -> Bucket:
