@@ -23,6 +23,7 @@ Skipped where vLLM is not installed.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -74,8 +75,11 @@ def _reference(
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:
+    """Largest |a - b|; inf where either side is NaN (max() would skip a NaN after the
+    first element, and a NaN first would fail every `>` check as well as every `<`)."""
     assert len(a) == len(b)
-    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    return math.inf if any(math.isnan(d) for d in diffs) else max(diffs, default=0.0)
 
 
 @pytest.fixture(scope="module")
