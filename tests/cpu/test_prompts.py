@@ -2,11 +2,13 @@
 
 Proves that jsonl and parquet rows load with their label and metadata (both
 optional), that each kind of bad data fails with one message naming the file,
-the line and the fix, that ``builtin:`` specs give a task's train or eval split,
-that ``render_prompt`` yields the text's own tokens (chat template: wrapped in
-it), that ``PromptSource`` is deterministic, reshuffles every epoch, covers each
-epoch exactly once, and that a source restored from ``state_dict`` continues
-exactly like the uninterrupted one.
+the line and the fix (a missing or null label too, when the reward needs one),
+that ``builtin:`` specs give a task's train or eval split, that
+``render_prompt`` yields the text's own tokens (chat template: wrapped in it),
+that dropping every prompt for ``--rollout-max-prompt-len`` is an error that
+says so, that ``PromptSource`` is deterministic, reshuffles every epoch,
+covers each epoch exactly once, and that a source restored from ``state_dict``
+continues exactly like the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -82,6 +84,47 @@ def test_bad_jsonl_rows_name_file_and_line(tmp_path: Path, lines: list[str], pat
     spec = _write_jsonl(tmp_path / "p.jsonl", lines)
     with pytest.raises(ConfigError, match=pattern):
         load_prompts(spec)
+
+
+def test_a_label_is_required_only_when_asked(tmp_path: Path) -> None:
+    spec = _write_jsonl(
+        tmp_path / "p.jsonl",
+        [json.dumps({"q": "1+1=", "answer": "2"}), json.dumps({"q": "2+2=", "label": "4"})],
+    )
+    # A custom reward may score without a label: the row loads with None.
+    assert load_prompts(spec, input_key="q")[0].label is None
+    with pytest.raises(ConfigError) as caught:
+        load_prompts(spec, input_key="q", require_label=True)
+    assert str(caught.value) == (
+        f"{spec}:1: no key 'label' and the reward compares with a label; keys present: "
+        "q, answer (choose one with --label-key)"
+    )
+    labels = load_prompts(spec, input_key="q", label_key="answer", require_label=False)
+    assert [p.label for p in labels] == ["2", None]
+    with pytest.raises(ConfigError, match=r"p\.jsonl:2: no key 'answer' .* keys present: q, label"):
+        load_prompts(spec, input_key="q", label_key="answer", require_label=True)
+    null = _write_jsonl(
+        tmp_path / "n.jsonl", ['{"prompt": "a", "label": "b"}', '{"prompt": "c", "label": null}']
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_prompts(null, require_label=True)
+    assert str(caught.value) == (
+        f"{null}:2: 'label' is null and the reward compares with a label; give every row one"
+    )
+    assert len(load_prompts("builtin:add", require_label=True)) > 0
+
+
+def test_parquet_row_without_label(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["ab="], "other": [1]}), path)
+    with pytest.raises(ConfigError) as caught:
+        load_prompts(str(path), require_label=True)
+    assert str(caught.value) == (
+        f"{path}: row 1: no key 'label' and the reward compares with a label; keys present: "
+        "prompt, other (choose one with --label-key)"
+    )
 
 
 def test_missing_file_and_unknown_type(tmp_path: Path) -> None:
@@ -181,6 +224,25 @@ def test_filter_prompt_lengths() -> None:
     kept, kept_ids, dropped = filter_prompt_lengths(prompts, ids, 2)
     assert [p.index for p in kept] == [0, 2] and kept_ids == [[1], [1, 2]] and dropped == 2
     assert filter_prompt_lengths(prompts, ids, None) == (prompts, ids, 0)
+
+
+def test_every_prompt_too_long_names_the_flag() -> None:
+    prompts = _prompts(3)
+    ids = [[1, 2, 3], [1, 2, 3, 4], [1, 2, 3]]
+    kept, _, dropped = filter_prompt_lengths(prompts, ids, 3)
+    assert len(kept) == 2 and dropped == 1  # one left is enough
+    with pytest.raises(ConfigError) as caught:
+        filter_prompt_lengths(prompts, ids, 2, spec="data/p.jsonl")
+    assert str(caught.value) == (
+        "prompt data 'data/p.jsonl': all 3 prompts are longer than --rollout-max-prompt-len 2 "
+        "tokens (the shortest has 3); raise it or use shorter prompts"
+    )
+    with pytest.raises(ConfigError) as caught:
+        filter_prompt_lengths(prompts, ids, 1)
+    assert str(caught.value) == (
+        "all 3 prompts are longer than --rollout-max-prompt-len 1 tokens (the shortest has 3); "
+        "raise it or use shorter prompts"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,9 @@ Proves that the flags pick the right scorer (math, exact, the built-in task's
 reward, a custom sync / async / per-group function that receives ``args``, a
 remote HTTP service); that a function that raises, times out or returns NaN /
 a string / None yields None for that sample (a whole group for --group-rm)
-and is counted with its message, never raised; that the remote client
+and is counted with its message, never raised; that a rule-based reward
+given no label fails the sample instead of matching the text "None", and
+``reward_needs_label`` says which rewards need one; that the remote client
 retries 500s until success, does not retry a 400, gives up on a server that
 never answers or a closed port; that ``score_sync`` works inside a running
 event loop; and that bad reward flags (unimportable or wrongly shaped
@@ -26,7 +28,13 @@ import pytest
 
 from vime.algo.custom import load_function
 from vime.config import ConfigError, parse_args
-from vime.rollout.rewards import RewardInput, build_reward_scorer, exact_reward
+from vime.rollout.rewards import (
+    RewardError,
+    RewardInput,
+    build_reward_scorer,
+    exact_reward,
+    reward_needs_label,
+)
 
 HOOKS = textwrap.dedent(
     """
@@ -120,6 +128,40 @@ def test_math_exact_and_task_rewards() -> None:
     assert task.score_sync([RewardInput("q", "cba", "abc", {}, 0)]) == [1.0]
     with pytest.raises(ConfigError, match="--rm-type math"):
         build_reward_scorer(parse_args([]))
+
+
+def test_rule_rewards_without_a_label_fail() -> None:
+    """str(None) == "None": without the check a response "None" would score 1.0."""
+    with pytest.raises(RewardError, match="no label to compare with"):
+        exact_reward("None", None)
+    assert exact_reward("None", "None") == 1.0  # a real label "None" still matches
+    responses = ["None", r"\boxed{None}", "4"]
+    for rm_type in ("math", "exact"):
+        scorer = build_reward_scorer(parse_args(["--rm-type", rm_type]))
+        samples = [RewardInput("q", r, None, {}, 0) for r in responses]
+        assert scorer.score_sync([*samples, RewardInput("q", "4", "4", {}, 0)]) == [
+            None,
+            None,
+            None,
+            1.0,
+        ], rm_type
+        assert scorer.last_failure_count == 3
+        assert scorer.last_failures[0] == (
+            "sample 0: the prompt has no label to compare with (see --label-key)"
+        )
+    task = build_reward_scorer(parse_args([]), task_reward=lambda r, label: 1.0)
+    assert task.score_sync([RewardInput("q", "x", None, {}, 0)]) == [None]
+
+
+def test_which_rewards_need_a_label(hooks: str, tmp_path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1", "label": "2"}\n')
+    file_data = ["--prompt-data", str(data)]
+    assert reward_needs_label(parse_args([*file_data, "--rm-type", "math"]))
+    assert reward_needs_label(parse_args([*file_data, "--rm-type", "exact"]))
+    assert reward_needs_label(parse_args([]))  # the built-in task's reward
+    assert not reward_needs_label(parse_args([*file_data, "--custom-rm-path", f"{hooks}:length"]))
+    assert not reward_needs_label(parse_args([*file_data, "--rm-url", "http://localhost:1/"]))
 
 
 # ---------------------------------------------------------------- custom

@@ -52,13 +52,16 @@ def load_prompts(
     label_key: str = "label",
     metadata_key: str = "metadata",
     seed: int = 1234,
+    require_label: bool = False,
 ) -> list[Prompt]:
     """Load every prompt of ``spec``; ConfigError with file and line for bad data.
 
     ``spec`` is a ``.jsonl`` file (one JSON object per line, blank lines skipped),
     a ``.parquet`` file (one row per prompt), ``builtin:<task>`` (the task's train
-    split) or ``builtin:<task>:eval``. The label and metadata fields are optional;
-    ``seed`` only orders a built-in task's rows.
+    split) or ``builtin:<task>:eval``. The metadata field is optional; so is the
+    label, unless ``require_label`` (the reward compares with it, see
+    ``vime.rollout.rewards.reward_needs_label``): then a row without one, or with
+    a null one, is an error. ``seed`` only orders a built-in task's rows.
     """
     if spec.startswith(BUILTIN_PREFIX):
         return _load_builtin(spec, seed)
@@ -70,7 +73,7 @@ def load_prompts(
         raise ConfigError(f"prompt data file not found: {spec}")
     rows = _jsonl_rows(path) if suffix == ".jsonl" else _parquet_rows(path)
     prompts = [
-        _to_prompt(row, where, index, input_key, label_key, metadata_key)
+        _to_prompt(row, where, index, input_key, label_key, metadata_key, require_label)
         for index, (where, row) in enumerate(rows)
     ]
     if not prompts:
@@ -120,14 +123,30 @@ def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:
 
 
 def _to_prompt(
-    row: Any, where: str, index: int, input_key: str, label_key: str, metadata_key: str
+    row: Any,
+    where: str,
+    index: int,
+    input_key: str,
+    label_key: str,
+    metadata_key: str,
+    require_label: bool,
 ) -> Prompt:
     if not isinstance(row, Mapping):
         raise ConfigError(f"{where}: expected an object with a '{input_key}' key, got {_kind(row)}")
+    keys = ", ".join(map(str, row)) or "none"
     if input_key not in row:
-        keys = ", ".join(map(str, row)) or "none"
         raise ConfigError(
             f"{where}: no key '{input_key}'; keys present: {keys} (choose one with --input-key)"
+        )
+    if require_label and label_key not in row:
+        raise ConfigError(
+            f"{where}: no key '{label_key}' and the reward compares with a label; keys present: "
+            f"{keys} (choose one with --label-key)"
+        )
+    if require_label and row[label_key] is None:
+        raise ConfigError(
+            f"{where}: '{label_key}' is null and the reward compares with a label; "
+            "give every row one"
         )
     text = row[input_key]
     if not isinstance(text, str):
@@ -178,11 +197,17 @@ def render_prompt(text: str, tokenizer: Any, apply_chat_template: bool) -> list[
 
 
 def filter_prompt_lengths(
-    prompts: Sequence[Prompt], token_ids: Sequence[list[int]], max_len: int | None
+    prompts: Sequence[Prompt],
+    token_ids: Sequence[list[int]],
+    max_len: int | None,
+    *,
+    spec: str | None = None,
 ) -> tuple[list[Prompt], list[list[int]], int]:
     """Keep the prompts whose token count is at most ``max_len`` (all when None).
 
     Returns (kept prompts, their ids, how many were dropped), in the input order.
+    ConfigError when every prompt is too long (``spec``, the data's name, goes in
+    the message): nothing would be left to sample from.
     """
     if len(prompts) != len(token_ids):
         raise ValueError(f"{len(prompts)} prompts but {len(token_ids)} token id lists")
@@ -191,6 +216,13 @@ def filter_prompt_lengths(
         for p, ids in zip(prompts, token_ids, strict=True)
         if max_len is None or len(ids) <= max_len
     ]
+    if prompts and not kept:
+        shortest = min(len(ids) for ids in token_ids)
+        where = f"prompt data '{spec}': " if spec else ""
+        raise ConfigError(
+            f"{where}all {len(prompts)} prompts are longer than --rollout-max-prompt-len "
+            f"{max_len} tokens (the shortest has {shortest}); raise it or use shorter prompts"
+        )
     return [p for p, _ in kept], [ids for _, ids in kept], len(prompts) - len(kept)
 
 

@@ -24,6 +24,11 @@ start-up, not after the first generation. In order of precedence:
 ``--rm-type builtin`` (the default for ``builtin:<task>`` prompt data)
     The built-in task's own ``reward(response, label)``, passed in by the caller.
 
+The rule-based rewards (math, exact, builtin) compare against the prompt's
+label: :func:`reward_needs_label` tells the prompt loader to refuse rows
+without one, and a sample that still has none fails (None) rather than being
+compared with the text "None".
+
 A reward that cannot be computed is ``None``, never an exception: the function
 raised, timed out, or returned something that is not a finite number (a bool
 counts as 0/1). After each ``score`` call ``last_failure_count`` and
@@ -57,6 +62,7 @@ MAX_KEPT_FAILURES = 5
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
 _BUILTIN_DATA_PREFIX = "builtin:"
+_NO_LABEL = "the prompt has no label to compare with (see --label-key)"
 
 TaskReward = Callable[[str, Any], float]
 _AsyncCall = Callable[[Any], Awaitable[Any]]
@@ -78,7 +84,12 @@ class RewardError(Exception):
 
 
 def exact_reward(response: str, label: Any) -> float:
-    """1.0 when ``response`` equals ``label`` up to surrounding whitespace, else 0.0."""
+    """1.0 when ``response`` equals ``label`` up to surrounding whitespace, else 0.0.
+
+    Raises ``RewardError`` for a None label: there is nothing to compare with.
+    """
+    if label is None:
+        raise RewardError(_NO_LABEL)
     return 1.0 if response.strip() == str(label).strip() else 0.0
 
 
@@ -136,6 +147,21 @@ def load_custom_reward(spec: str, group: bool) -> Callable:
     return fn
 
 
+def reward_needs_label(args: Any) -> bool:
+    """Whether the reward the flags pick compares responses against each prompt's label.
+
+    True for ``--rm-type math|exact`` and a built-in task's reward; False for
+    ``--rm-url`` and ``--custom-rm-path``, which may score without one.
+    """
+    return _choose_source(args, _has_task(args)) in ("math", "exact", "task")
+
+
+def _has_task(args: Any) -> bool:
+    # No --prompt-data means the embedded built-in task, which brings its reward.
+    data = args.prompt_data
+    return data is None or data.startswith(_BUILTIN_DATA_PREFIX)
+
+
 def check_reward_args(args: Any) -> None:
     """Start-up check of the reward flags; raises ``ConfigError`` (one line)."""
     if not (args.rm_timeout > 0 and math.isfinite(args.rm_timeout)):
@@ -146,10 +172,7 @@ def check_reward_args(args: Any) -> None:
         parts = urllib.parse.urlsplit(args.rm_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"--rm-url {args.rm_url}: expected http://host[:port]/path")
-    data = args.prompt_data
-    # No --prompt-data means the embedded built-in task, which brings its reward.
-    has_task = data is None or data.startswith(_BUILTIN_DATA_PREFIX)
-    if _choose_source(args, has_task) == "custom":
+    if _choose_source(args, _has_task(args)) == "custom":
         load_custom_reward(args.custom_rm_path, args.group_rm)
 
 
@@ -172,6 +195,10 @@ def build_reward_scorer(args: Any, task_reward: TaskReward | None = None) -> Rew
     assert rule is not None
 
     async def call(sample: RewardInput) -> Any:
+        # Every rule compares with the label; without one math_reward would match a
+        # response that says "None".
+        if sample.label is None:
+            raise RewardError(_NO_LABEL)
         # Rule-based rewards are cheap: run inline, a thread hop would cost more.
         return rule(sample.response, sample.label)
 
