@@ -9,7 +9,19 @@ training backends consume. It also scores held-out prompts for evaluation.
 
 A sample whose reward failed stays in the batch (so the batch keeps its shape)
 with an all-zero loss mask and advantage 0: it adds nothing to the gradient and
-is counted in ``rollout/reward_failures``.
+is counted in ``rollout/reward_failures`` (over every sample scored in the
+rollout, filtered groups included). For the advantages of the others it counts
+as a sample that scored its group's mean over the rewards that did not fail:
+the group mean, and so every ``r - mean`` (``dr_grpo``), is what it would be
+without it, but an estimator that also divides by the group's spread or size
+(``grpo``, ``rloo``) sees n samples, not the ones that scored. A group with fewer
+than two rewards that did not fail carries no signal and counts as agreeing.
+
+Dynamic sampling (``--dynamic-sampling-filter``): each round draws as many new
+prompts as groups are still missing and drops the groups whose rewards all
+agree; after ``--dynamic-sampling-max-rounds`` rounds a short batch is filled
+with dropped groups (advantage 0), counted in ``rollout/groups_short``.
+``DataExhausted`` when the prompts run out before the batch is full.
 """
 
 from __future__ import annotations
@@ -102,6 +114,11 @@ class RolloutManager:
             prompts = self.source.next_batch(want - len(kept))
             drawn += len(prompts)
             groups = self._sample(prompts, rollout_seed(args.seed, rollout_id, rounds))
+            # The scorer describes its latest call only: report each round's failures.
+            warning = self.scorer.failure_warning()
+            if warning:
+                where = f"rollout {rollout_id}" + (f" round {rounds}" if rounds else "")
+                self.warn(f"vime: {where}: {warning}")
             rounds += 1
             for group in groups:
                 generated_tokens += sum(len(c.response_ids) for c in group.completions)
@@ -136,9 +153,6 @@ class RolloutManager:
             metrics["rollout/groups_short"] = float(max(0, short))
         if self.is_correct is not None:
             metrics["rollout/accuracy"] = _mean(self._correct(kept))
-        warning = self.scorer.failure_warning()
-        if warning:
-            self.warn(f"vime: rollout {rollout_id}: {warning}")
         return batch, metrics
 
     def _sample(self, prompts: Sequence[Prompt], seed: int) -> list[_Group]:
@@ -193,7 +207,8 @@ class RolloutManager:
         for group in groups:
             valid = [r for r in group.rewards if r is not None]
             fill = sum(valid) / len(valid) if valid else 0.0
-            # A failed sample gets its group's mean reward, so it shifts no one's advantage.
+            # A failed sample gets its group's mean reward: the group mean stays what the
+            # scored samples make it (see the module docstring for what else it changes).
             rewards += [fill if r is None else r for r in group.rewards]
         advantages = self.advantage_fn(
             torch.tensor(rewards, dtype=torch.float64), n, self.args.advantage_estimator

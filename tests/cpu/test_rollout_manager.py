@@ -1,0 +1,303 @@
+"""RolloutManager: dynamic sampling, failed rewards, and the batch it hands to training.
+
+Proves, with the real prompt loader, character tokenizer, reward scorers
+(``--rm-type exact`` and a ``--custom-rm-path`` function that raises or times
+out) and advantage code, that:
+
+- with ``--dynamic-sampling-filter`` groups whose rewards all agree are dropped
+  and new prompts drawn until ``--rollout-batch-size`` groups are kept, with
+  exact ``prompts_drawn`` / ``groups_filtered`` / ``groups_short`` counts and a
+  new seed per round; at ``--dynamic-sampling-max-rounds`` the rounds stop and
+  dropped groups fill the batch (advantage 0, counted as short); without the
+  filter one round is all there is;
+- when the prompts run out the short batch is filled from dropped groups if it
+  can be, else ``DataExhausted``;
+- a sample whose reward raised or timed out has an all-zero loss mask and
+  advantage 0, the others' advantages are those of the group with the failed
+  sample scoring the mean of the rest (worked out by hand here), and
+  ``rollout/reward_failures`` counts it, filtered groups included, with one
+  warning per round that had failures.
+
+The engine is a scripted stand-in (the engine is not under test here; the real
+ones have their own tests): it answers each prompt with fixed responses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from vime.config import parse_args
+from vime.data.prompts import PromptSource, load_prompts, render_prompt
+from vime.data.tasks import CHARSET
+from vime.models.embedded import build_tokenizer
+from vime.rollout.manager import DataExhausted, RolloutManager, rollout_seed
+from vime.rollout.rewards import build_reward_scorer
+from vime.rollout.types import Completion, SamplingParams
+
+N = 4  # samples per prompt
+RIGHT, WRONG = ["ab"] * N, ["x"] * N  # label "ab": all 1.0 / all 0.0 (they agree)
+MIXED = ["ab", "x", "ab", "x"]  # rewards 1, 0, 1, 0: kept
+
+FLAKY_REWARD = """
+import asyncio
+
+async def reward(args, sample):
+    if sample.response == "boom":
+        raise RuntimeError("reward service hiccup")
+    if sample.response == "slow":
+        await asyncio.sleep(30)
+    return float(sample.response == sample.label)
+"""
+
+
+# An estimator that keeps and hands back the rewards it was given: what estimators see.
+IDENTITY_ADVANTAGE = """
+SEEN = []
+
+def advantages(rewards, n_samples_per_prompt, estimator="grpo", eps=1e-6):
+    SEEN.append(rewards.tolist())
+    return rewards.clone()
+"""
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(CHARSET)
+
+
+class ScriptedEngine:
+    """A RolloutEngine answering prompt k with ``script[k]``, one completion per response.
+
+    Each response ends with EOS; its log-probs are -0.1, -0.2, ... so that the
+    batch can be checked to carry the engine's numbers.
+    """
+
+    weight_version = 0
+
+    def __init__(self, tokenizer, script: list[list[str]], texts: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.by_text = dict(zip(texts, script, strict=True))
+        self.calls: list[tuple[list[str], SamplingParams]] = []
+
+    def response_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return [*ids, self.tokenizer.eos_token_id]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        texts = [self.tokenizer.decode(ids) for ids in prompts]
+        self.calls.append((texts, params))
+        out = []
+        for ids, text in zip(prompts, texts, strict=True):
+            responses = self.by_text[text]
+            assert len(responses) == params.n
+            group = []
+            for response in responses:
+                rids = self.response_ids(response)
+                logps = [-0.1 * (k + 1) for k in range(len(rids))]
+                group.append(Completion(list(ids), rids, logps, "stop"))
+            out.append(group)
+        return out
+
+    def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
+        raise NotImplementedError
+
+    def update_weights(self, buckets, version: int, *, partial: bool = False) -> None:
+        raise NotImplementedError
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+
+def _setup(tmp_path: Path, tokenizer, script: list[list[str]], *flags: str, warn=None):
+    """A manager over prompts "q0=", "q1=", ... (label "ab"), drawn in file order."""
+    texts = [f"q{i}=" for i in range(len(script))]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": t, "label": "ab"}) + "\n" for t in texts))
+    args = parse_args(
+        [
+            "--prompt-data",
+            str(data),
+            "--rollout-batch-size",
+            "2",
+            "--n-samples-per-prompt",
+            str(N),
+            "--global-batch-size",
+            str(2 * N),
+            "--seed",
+            "7",
+            *flags,
+        ]
+    )
+    prompts = load_prompts(str(data), require_label=True)
+    ids = {p.index: render_prompt(p.text, tokenizer, False) for p in prompts}
+    engine = ScriptedEngine(tokenizer, script, texts)
+    manager = RolloutManager(
+        args,
+        engine,
+        tokenizer,
+        build_reward_scorer(args),
+        PromptSource(prompts, shuffle=False),
+        ids,
+        warn=warn or (lambda line: None),
+    )
+    return manager, engine
+
+
+def _texts_of(manager: RolloutManager, batch) -> list[str]:
+    """Each sample's prompt text, read back from its tokens."""
+    return [
+        manager.tokenizer.decode(t[:n])
+        for t, n in zip(batch.tokens, batch.prompt_lengths, strict=True)
+    ]
+
+
+def test_dynamic_sampling_draws_until_the_batch_is_full(tmp_path, tokenizer) -> None:
+    script = [RIGHT, MIXED, WRONG, MIXED, MIXED, MIXED]
+    manager, engine = _setup(
+        tmp_path, tokenizer, script, "--rm-type", "exact", "--dynamic-sampling-filter"
+    )
+    batch, metrics = manager.generate(0)
+    # Round 0 draws q0 (agrees) and q1; round 1 draws q2 (agrees); round 2 draws q3.
+    assert [texts for texts, _ in engine.calls] == [["q0=", "q1="], ["q2="], ["q3="]]
+    assert [params.seed for _, params in engine.calls] == [rollout_seed(7, 0, r) for r in range(3)]
+    assert len({params.seed for _, params in engine.calls}) == 3
+    assert _texts_of(manager, batch) == ["q1="] * N + ["q3="] * N
+    assert metrics["rollout/prompts_drawn"] == 4.0
+    assert metrics["rollout/groups_filtered"] == 2.0
+    assert metrics["rollout/groups_short"] == 0.0
+    assert metrics["rollout/reward_failures"] == 0.0
+    assert metrics["rollout/reward_mean"] == 0.5  # kept groups only: the dropped ones scored 1, 0
+    # Samples are prompt + response tokens, the engine's log-probs and a full mask.
+    right = engine.response_ids("ab")
+    assert batch.tokens[0] == manager.prompt_ids[1] + right
+    assert batch.prompt_lengths == [3] * 2 * N
+    assert batch.rollout_log_probs[0] == pytest.approx([-0.1, -0.2, -0.3])
+    assert batch.loss_masks == [[1] * len(right), [1, 1], [1] * len(right), [1, 1]] * 2
+    # grpo on 1, 0, 1, 0: ±0.5 / std (Bessel: sqrt(1/3)).
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    assert batch.advantages == pytest.approx([a, -a, a, -a] * 2, rel=1e-9)
+
+    # The next rollout continues after q3: q4 and q5 are kept in one round.
+    batch, metrics = manager.generate(1)
+    assert _texts_of(manager, batch) == ["q4="] * N + ["q5="] * N
+    assert metrics["rollout/prompts_drawn"] == 2.0 and metrics["rollout/groups_filtered"] == 0.0
+    assert len(engine.calls) == 4
+    with pytest.raises(DataExhausted, match="the prompts ran out during rollout 2"):
+        manager.generate(2)
+    assert len(engine.calls) == 4  # nothing left to generate from
+
+
+def test_round_bound_fills_with_agreeing_groups(tmp_path, tokenizer) -> None:
+    script = [RIGHT, WRONG, RIGHT, WRONG, MIXED, MIXED]
+    flags = ["--rm-type", "exact", "--dynamic-sampling-filter", "--dynamic-sampling-max-rounds"]
+    manager, engine = _setup(tmp_path, tokenizer, script, *flags, "2")
+    batch, metrics = manager.generate(0)
+    # Two rounds of two agreeing groups, then the bound: q4 and q5 are never drawn.
+    assert [texts for texts, _ in engine.calls] == [["q0=", "q1="], ["q2=", "q3="]]
+    assert _texts_of(manager, batch) == ["q0="] * N + ["q1="] * N  # the first dropped fill it
+    assert batch.advantages == [0.0] * 2 * N
+    assert all(set(mask) == {1} for mask in batch.loss_masks)
+    assert metrics["rollout/prompts_drawn"] == 4.0
+    assert metrics["rollout/groups_short"] == 2.0
+    assert metrics["rollout/groups_filtered"] == 2.0  # q2 and q3: dropped and not used
+
+
+def test_without_the_filter_agreeing_groups_are_trained_on(tmp_path, tokenizer) -> None:
+    manager, engine = _setup(tmp_path, tokenizer, [RIGHT, WRONG, MIXED], "--rm-type", "exact")
+    batch, metrics = manager.generate(0)
+    assert len(engine.calls) == 1
+    assert _texts_of(manager, batch) == ["q0="] * N + ["q1="] * N
+    assert batch.advantages == [0.0] * 2 * N
+    assert metrics["rollout/prompts_drawn"] == 2.0
+    assert "rollout/groups_filtered" not in metrics and "rollout/groups_short" not in metrics
+    # One prompt left, two wanted: the data ran out mid-rollout.
+    with pytest.raises(DataExhausted, match="during rollout 1"):
+        manager.generate(1)
+    assert engine.calls[-1][0] == ["q2="]
+
+
+def test_prompts_running_out_fill_from_dropped_groups(tmp_path, tokenizer) -> None:
+    script = [RIGHT, MIXED, WRONG]
+    manager, engine = _setup(
+        tmp_path, tokenizer, script, "--rm-type", "exact", "--dynamic-sampling-filter"
+    )
+    batch, metrics = manager.generate(0)
+    # Round 1 gets the last prompt, which agrees; no more rounds are possible.
+    assert [texts for texts, _ in engine.calls] == [["q0=", "q1="], ["q2="]]
+    assert _texts_of(manager, batch) == ["q1="] * N + ["q0="] * N
+    assert metrics["rollout/groups_short"] == 1.0 and metrics["rollout/groups_filtered"] == 1.0
+    assert batch.advantages[N:] == [0.0] * N
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo"])
+def test_failed_rewards_are_excluded_from_the_loss(tmp_path, tokenizer, estimator) -> None:
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    script = [["ab", "boom", "x", "slow"], ["ab", "x", "x", "ab"]]
+    lines: list[str] = []
+    flags = ["--custom-rm-path", f"{tmp_path / 'flaky.py'}:reward", "--rm-timeout", "0.2"]
+    manager, _ = _setup(
+        tmp_path, tokenizer, script, *flags, "--advantage-estimator", estimator, warn=lines.append
+    )
+    batch, metrics = manager.generate(0)
+    assert metrics["rollout/reward_failures"] == 2.0
+    assert metrics["rollout/reward_mean"] == 0.5  # the 6 rewards that did not fail: 1,0 and 1,0,0,1
+    # The failed samples ("boom", "slow": 5 tokens with EOS) train on nothing.
+    assert batch.loss_masks[1] == [0] * 5 and batch.loss_masks[3] == [0] * 5
+    assert batch.advantages[1] == 0.0 and batch.advantages[3] == 0.0
+    assert all(set(batch.loss_masks[i]) == {1} for i in (0, 2, 4, 5, 6, 7))
+    # Group 0 as grpo sees it: 1, 0.5, 0, 0.5 (failed -> the mean of 1 and 0); its mean is
+    # the scored samples' mean, so dr_grpo gives exactly what it gives without them.
+    if estimator == "grpo":
+        g0 = 0.5 / (math.sqrt(0.5 / 3) + 1e-6)
+        g1 = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    else:
+        g0 = g1 = 0.5
+    expected = [g0, 0.0, -g0, 0.0, g1, -g1, -g1, g1]
+    assert batch.advantages == pytest.approx(expected, rel=1e-9)
+    assert len(lines) == 1
+    assert lines[0].startswith("vime: rollout 0: reward (custom ")
+    assert "2 of 8 samples failed" in lines[0]
+    assert "sample 1: raised RuntimeError: reward service hiccup" in lines[0]
+    assert "sample 3: timed out after 0.2 s (--rm-timeout)" in lines[0]
+
+
+def test_estimators_see_a_failed_sample_as_its_groups_mean(tmp_path, tokenizer) -> None:
+    """The rule itself, through a custom estimator: the failed sample's reward is replaced
+    by the mean of its group's scored rewards, and its advantage is 0 whatever comes back."""
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    (tmp_path / "adv.py").write_text(IDENTITY_ADVANTAGE)
+    script = [["ab", "boom", "ab", "x"], ["boom"] * N]
+    flags = [
+        "--custom-rm-path",
+        f"{tmp_path / 'flaky.py'}:reward",
+        "--custom-advantage-function-path",
+        f"{tmp_path / 'adv.py'}:advantages",
+    ]
+    manager, _ = _setup(tmp_path, tokenizer, script, *flags)
+    batch, metrics = manager.generate(0)
+    # Group 0 scored 1, 1, 0: the failed one counts as 2/3; group 1 has no score: 0.
+    assert manager.advantage_fn.__globals__["SEEN"] == [[1.0, 2 / 3, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    assert batch.advantages == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert [sum(m) for m in batch.loss_masks] == [3, 0, 3, 2, 0, 0, 0, 0]
+    assert metrics["rollout/reward_failures"] == 5.0
+
+
+def test_failures_in_filtered_groups_are_counted_and_reported(tmp_path, tokenizer) -> None:
+    """Round 0's failures stay in the count and the warnings after round 1 scores clean."""
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    script = [["boom"] * N, MIXED, MIXED]
+    lines: list[str] = []
+    flags = ["--custom-rm-path", f"{tmp_path / 'flaky.py'}:reward", "--dynamic-sampling-filter"]
+    manager, engine = _setup(tmp_path, tokenizer, script, *flags, warn=lines.append)
+    batch, metrics = manager.generate(0)
+    assert len(engine.calls) == 2
+    assert _texts_of(manager, batch) == ["q1="] * N + ["q2="] * N
+    assert metrics["rollout/reward_failures"] == 4.0
+    assert metrics["rollout/groups_filtered"] == 1.0  # a group with no reward carries no signal
+    assert len(lines) == 1 and lines[0].startswith("vime: rollout 0: reward (custom ")
+    assert "4 of 8 samples failed" in lines[0]
