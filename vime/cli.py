@@ -2,7 +2,9 @@
 
 Bad configuration ends here as one ``vime-train: error: ...`` line on stderr and
 exit status 2, never a traceback; a training rank or engine that fails ends the
-run with its error on one line and exit status 1.
+run with its error on one line and exit status 1 (Ray's whole report, remote
+traceback included, goes to ``error.log`` in the output folder, or above that
+line when the run failed before its folder was kept).
 """
 
 from __future__ import annotations
@@ -48,9 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         summary = run(config)
-    except (ConfigError, ActorFailure) as err:
+    except ConfigError as err:
         print(f"vime-train: error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, ConfigError) else 1
+        return 2
+    except ActorFailure as err:
+        if err.log_path is None and err.detail:  # failed while starting: no folder kept
+            print(err.detail, file=sys.stderr)
+        print(f"vime-train: error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("vime-train: interrupted; the last saved checkpoint is intact", file=sys.stderr)
         return 130

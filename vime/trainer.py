@@ -27,10 +27,10 @@ from vime.data.prompts import (
     render_prompt,
 )
 from vime.ray.engines import EngineGroup, resolve_engine
-from vime.ray.placement import layout_of, reserve, start_ray
+from vime.ray.placement import ActorFailure, layout_of, reserve, start_ray
 from vime.ray.train_group import RayTrainGroup
 from vime.rollout.manager import DataExhausted, RolloutManager
-from vime.rollout.rewards import build_reward_scorer
+from vime.rollout.rewards import build_reward_scorer, reward_needs_label
 from vime.tracking import Tracker, default_output_dir
 
 EMBEDDED_MODEL_DIR = "embedded_model"
@@ -41,6 +41,7 @@ def run(args: Config) -> dict[str, Any]:
 
     A run that fails while it is being set up (bad data, an unreachable cluster)
     removes the output folder it created, so a failed start leaves nothing behind.
+    A rank or engine that fails later leaves its whole report in ``error.log`` there.
     """
     args = args.replace(output_dir=args.output_dir or default_output_dir())
     created = not os.path.exists(args.output_dir)
@@ -52,6 +53,8 @@ def run(args: Config) -> dict[str, Any]:
         raise
     try:
         return session.train()
+    except ActorFailure as failure:
+        raise failure.logged_to(os.path.join(args.output_dir, "error.log")) from failure
     finally:
         session.close()
 
@@ -130,7 +133,7 @@ class Run:
             warn=self.log,
         )
         if self.start_rollout > 0:
-            self.manager.load_state_dict(self.train_group.loaded_extra()["data"])
+            self.manager.load_state_dict(self._loaded_data_position(args.load))
         self.transport = _transport(args, use_gpu)
         if self.transport == "broadcast":
             self.train_group.setup_broadcast(self.engines, "nccl" if use_gpu else "gloo")
@@ -144,6 +147,7 @@ class Run:
             config=vars(args),
         )
         self.probe = self._probe_sequence()
+        self.last_saved = self.start_rollout - 1  # the checkpoint this run resumed from
 
     # ----- the loop ------------------------------------------------------------------------
 
@@ -156,6 +160,10 @@ class Run:
                 metrics = self.step(rollout_id)
             except DataExhausted as end:
                 self.log(f"vime: {end}; stopping after {rollout_id} rollouts")
+                # The last trained rollout is saved, as it would have been at the planned end.
+                last_trained = rollout_id - 1
+                if args.save and self.last_saved < last_trained:
+                    self.save(last_trained)
                 break
             self.tracker.log(rollout_id, metrics)
         summary: dict[str, Any] = {"output_dir": self.output_dir}
@@ -179,7 +187,7 @@ class Run:
             self.engines.sleep()
             self.train_group.wake_up()
         train_start = time.perf_counter()
-        shuffle_seed = (args.seed * 1_000_003 + rollout_id) if args.shuffle_updates else None
+        shuffle_seed = update_order_seed(args.seed, rollout_id) if args.shuffle_updates else None
         planned = schedule(
             batch,
             global_batch_size=args.global_batch_size,
@@ -194,12 +202,8 @@ class Run:
         sync_start = time.perf_counter()
         metrics.update(self.sync_weights(rollout_id + 1))
         metrics["perf/weight_sync_time_s"] = time.perf_counter() - sync_start
-        if (
-            args.save
-            and args.save_interval
-            and ((rollout_id + 1) % args.save_interval == 0 or rollout_id + 1 == args.num_rollout)
-        ):
-            self.train_group.save(rollout_id, {"data": self.manager.state_dict()})
+        if save_due(rollout_id, args.num_rollout, args.save, args.save_interval):
+            self.save(rollout_id)
         eval_due = args.eval_interval and (rollout_id + 1) % args.eval_interval == 0
         if self.eval_prompts is not None and eval_due:
             metrics.update(self.manager.evaluate(self.eval_prompts, self.eval_ids))
@@ -208,6 +212,11 @@ class Run:
         metrics["perf/train_tokens_per_s"] = tokens / max(train_time, 1e-9)
         metrics["perf/step_time_s"] = time.perf_counter() - start
         return metrics
+
+    def save(self, rollout_id: int) -> None:
+        """Checkpoint the trainer after ``rollout_id``, with the data position beside it."""
+        self.train_group.save(rollout_id, {"data": self.manager.state_dict()})
+        self.last_saved = rollout_id
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's weights to every engine, then check what they serve."""
@@ -235,9 +244,12 @@ class Run:
             label_key=args.label_key,
             metadata_key=args.metadata_key,
             seed=args.seed,
+            require_label=reward_needs_label(args),
         )
         ids = [render_prompt(p.text, self.tokenizer, args.apply_chat_template) for p in prompts]
-        kept, kept_ids, dropped = filter_prompt_lengths(prompts, ids, args.rollout_max_prompt_len)
+        kept, kept_ids, dropped = filter_prompt_lengths(
+            prompts, ids, args.rollout_max_prompt_len, spec=spec
+        )
         if dropped:
             self.log(
                 f"vime: {spec}: dropped {dropped} of {len(prompts)} prompts longer than "
@@ -258,9 +270,22 @@ class Run:
         planned = schedule(batch, global_batch_size=dp, dp_size=dp, micro_batch_size=1)
         per_rank = self.train_group.compute_log_probs(ray.put(planned), "actor")
         trainer = next(rank[0] for rank in per_rank if 0 in rank).tolist()
-        engine = self.engines.score(tokens, prompt_len, self.args.rollout_temperature)
-        diff = max(abs(a - b) for a, b in zip(trainer, engine, strict=True))
+        # Every engine scores it: one that missed an update must not hide behind another.
+        per_engine = self.engines.score(tokens, prompt_len, self.args.rollout_temperature)
+        diff = max(
+            abs(a - b) for engine in per_engine for a, b in zip(trainer, engine, strict=True)
+        )
         return {"weights/probe_logprob_abs_diff": diff}
+
+    def _loaded_data_position(self, load_dir: str | None) -> dict[str, Any]:
+        extra = self.train_group.loaded_extra()
+        if "data" not in extra:
+            raise ConfigError(
+                f"--load {load_dir}: the checkpoint of rollout {self.start_rollout - 1} holds "
+                "no data position (it was not written by vime-train); start a new run with "
+                "--hf-checkpoint instead"
+            )
+        return extra["data"]
 
     def log(self, text: str) -> None:
         tracker = getattr(self, "tracker", None)
@@ -275,6 +300,20 @@ class Run:
             scorer.close()
         if ray.is_initialized():
             ray.shutdown()
+
+
+def save_due(rollout_id: int, num_rollout: int, save: str | None, interval: int | None) -> bool:
+    """Whether rollout ``rollout_id`` ends with a checkpoint: every ``interval`` rollouts,
+    and always after the last one (``--save`` without ``--save-interval`` saves only then)."""
+    if not save:
+        return False
+    return rollout_id + 1 == num_rollout or (bool(interval) and (rollout_id + 1) % interval == 0)
+
+
+def update_order_seed(seed: int, rollout_id: int) -> int:
+    """The ``--shuffle-updates`` seed of rollout ``rollout_id``: a function of the run seed
+    and the rollout alone, so a resumed run splits its updates as the uninterrupted one."""
+    return seed * 1_000_003 + rollout_id
 
 
 def _embedded_checkpoint(output_dir: str, seed: int) -> str:

@@ -13,6 +13,7 @@ the data position is part of the checkpoint.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from vime.checkpoint import TRACKER, iteration_dir
+from vime.trainer import save_due, update_order_seed
 
 REQUIRED = [
     "rollout/reward_mean",
@@ -77,7 +79,7 @@ def _metrics(folder: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
-    _train(
+    result = _train(
         "--num-rollout",
         "3",
         "--output-dir",
@@ -90,6 +92,7 @@ def full_run(tmp_path_factory) -> Path:
         "2",
         cwd=out,
     )
+    (out / "stdout.txt").write_text(result.stdout)
     return out
 
 
@@ -108,6 +111,11 @@ def test_three_rollouts_log_every_metric_and_advance_the_weights(full_run: Path)
         assert row["train/ppo_kl"] == 0.0 and row["train/clipfrac"] == 0.0  # one update
         assert row["train/skipped_steps"] == 0.0 and row["train/grad_norm"] > 0.0
     assert "eval/pass@1" in rows[1]
+
+
+def test_auto_engine_is_vllm_where_it_is_installed(full_run: Path) -> None:
+    expected = "vllm" if importlib.util.find_spec("vllm") else "hf"
+    assert f"rollout engine {expected} (auto:" in (full_run / "stdout.txt").read_text()
 
 
 def test_outputs_land_in_the_output_folder(full_run: Path) -> None:
@@ -135,10 +143,15 @@ def test_resume_redoes_the_next_rollout_exactly(full_run: Path, tmp_path: Path) 
         str(tmp_path / "out"),
         "--load",
         str(ckpt),
+        "--weight-sync",
+        "disk",
         cwd=tmp_path,
     )
     resumed = _metrics(tmp_path / "out")
     assert [r["rollout_id"] for r in resumed] == [2]
+    # The engines got the resumed weights (and, after rollout 2, the new ones) from disk.
+    assert resumed[0]["weights/version"] == 3
+    assert resumed[0]["weights/probe_logprob_abs_diff"] < 1e-4
     original = _metrics(full_run / "out")[2]
     for key in (
         "rollout/reward_mean",
@@ -148,6 +161,19 @@ def test_resume_redoes_the_next_rollout_exactly(full_run: Path, tmp_path: Path) 
         "train/entropy",
     ):
         assert resumed[0][key] == original[key], key
+
+
+def test_checkpoints_fall_every_interval_and_after_the_last_rollout() -> None:
+    due = [r for r in range(10) if save_due(r, 10, "ckpt", 4)]
+    assert due == [3, 7, 9]
+    assert [r for r in range(10) if save_due(r, 10, "ckpt", None)] == [9]
+    assert not any(save_due(r, 10, None, 1) for r in range(10))
+
+
+def test_update_order_seed_depends_on_run_seed_and_rollout_only() -> None:
+    seeds = {update_order_seed(s, r) for s in range(3) for r in range(100)}
+    assert len(seeds) == 300  # no two (seed, rollout) pairs share an order
+    assert update_order_seed(7, 12) == update_order_seed(7, 12)
 
 
 FLAKY_REWARD = """
@@ -166,7 +192,8 @@ def reward(args, sample):
 def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_path) -> None:
     """The gloo broadcast transport and the transformers engine, colocated (sleep/wake are
     CPU no-ops), with a reward function that raises for some samples: those are counted,
-    excluded from the loss, and the run goes on; groups whose rewards agree are filtered."""
+    excluded from the loss, and the run goes on; groups whose rewards agree are filtered.
+    ``--save`` without ``--save-interval`` checkpoints the last rollout only."""
     (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
     _train(
         "--num-rollout",
@@ -185,10 +212,15 @@ def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_
         "3",
         "--eval-prompt-data",
         "builtin:reverse:eval",
+        "--save",
+        str(tmp_path / "ckpt"),
         cwd=tmp_path,
     )
     rows = _metrics(tmp_path / "out")
     assert [r["rollout_id"] for r in rows] == [0, 1]
+    # --save without --save-interval: one checkpoint, after the last rollout.
+    assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "1"
+    assert [p.name for p in (tmp_path / "ckpt").glob("iter_*")] == [iteration_dir("", 1).name]
     assert sum(r["rollout/reward_failures"] for r in rows) > 0
     for row in rows:
         assert row["weights/version"] == row["rollout_id"] + 1
@@ -196,3 +228,43 @@ def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_
         assert row["rollout/prompts_drawn"] >= 8
         assert "rollout/groups_filtered" in row
         assert math.isfinite(row["train/loss"])
+
+
+FAILING_LOSS = """
+import os
+
+from vime.algo import policy_loss
+
+
+def loss(logp, old_logp, advantages, mask, **kwargs):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rank one gives up")
+    return policy_loss(logp, old_logp, advantages, mask, **kwargs)
+"""
+
+
+def test_a_failing_rank_stops_the_run_with_its_error(tmp_path: Path) -> None:
+    """Rank 1 raises in its first loss while rank 0 waits in the gradient all-reduce: the
+    run ends (exit 1, well inside the test's timeout) with rank 1's error as the last
+    stderr line, and Ray's whole report, remote traceback included, in error.log."""
+    (tmp_path / "failing.py").write_text(FAILING_LOSS)
+    script = Path(sys.executable).with_name("vime-train")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    out = tmp_path / "out"
+    flags = ["--num-rollout", "2", "--rollout-engine", "hf", "--output-dir", str(out)]
+    hook = ["--custom-loss-function-path", f"{tmp_path / 'failing.py'}:loss"]
+    result = subprocess.run(
+        [*command, *SMALL, *flags, *hook],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("vime-train: error: ") and "rank one gives up" in last, last
+    assert f"full report in {out / 'error.log'}" in last
+    report = (out / "error.log").read_text()
+    assert 'failing.py", line' in report and "RuntimeError: rank one gives up" in report
+    assert "\x1b[" not in report  # plain text, not Ray's terminal colours
+    assert not (out / "metrics.jsonl").exists() or not _metrics(out)

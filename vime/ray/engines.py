@@ -179,9 +179,10 @@ class EngineGroup:
             out.extend(part)
         return out
 
-    def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
+    def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[list[float]]:
+        """Every engine's log-probs of ``token_ids[prompt_len:]``, one list per engine."""
         refs = [a.score.remote(token_ids, prompt_len, temperature) for a in self.actors]
-        return wait_all(refs, "scoring the probe")[0]
+        return wait_all(refs, "scoring the probe")
 
     def weight_versions(self) -> list[int]:
         return wait_all([a.weight_version.remote() for a in self.actors], "reading versions")

@@ -18,6 +18,7 @@ unauthenticated GCS call answer that in seconds.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -223,17 +224,36 @@ def wait_all(refs: list[Any], what: str) -> list[Any]:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as err:
-                raise ActorFailure(f"{what} failed: {_short(err)}") from err
+                detail = _ANSI_COLOUR.sub("", str(err))
+                raise ActorFailure(f"{what} failed: {_short(detail)}", detail=detail) from err
     return ray.get(refs)
 
 
 class ActorFailure(RuntimeError):
-    """A training rank or an engine raised or died; the run stops."""
+    """A training rank or an engine raised or died; the run stops.
+
+    The message is one line (the remote error's own last line); ``detail`` is Ray's
+    whole report, remote traceback included, for a log file or the console.
+    """
+
+    def __init__(self, message: str, *, detail: str = "", log_path: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+        self.log_path = log_path
+
+    def logged_to(self, path: str) -> ActorFailure:
+        """This failure with its detail written to ``path``, and the message saying where."""
+        with open(path, "w") as f:
+            f.write(self.detail or str(self))
+            f.write("\n")
+        return ActorFailure(f"{self} (full report in {path})", detail=self.detail, log_path=path)
 
 
-def _short(err: BaseException) -> str:
-    text = str(err).strip()
-    lines = [line for line in text.splitlines() if line.strip()]
-    # Ray's message ends with the remote exception's own line; keep it first.
-    last = lines[-1] if lines else type(err).__name__
-    return last if len(lines) <= 1 else f"{last} (remote traceback above)"
+# Ray colours the remote actor's name in its error text; a log file wants plain text.
+_ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _short(detail: str) -> str:
+    """The remote exception's own line, which Ray puts last in its message."""
+    lines = [line for line in detail.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "the remote actor gave no reason"
