@@ -26,7 +26,6 @@ which ``fused_norms=True`` produces instead.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,17 +33,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# The architecture rules are pure and live with the flags, so parsing runs them too.
+from vime.backends.megatron.flags import check_architecture
+from vime.backends.megatron.flags import num_kv_heads as _num_kv_heads
+
 # megatron-core's default make_vocab_size_divisible_by; times TP so every rank's shard
 # has the same size.
 VOCAB_DIVISOR = 128
-# The only llama3 RoPE scaling megatron-core's RotaryEmbedding reproduces: it fixes these
-# three (RotaryEmbedding._apply_scaling) and takes only the factor as a parameter.
-LLAMA3_ROPE_FIXED = {
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 # HF state-dict entries that are derived buffers, not weights (older checkpoints).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -91,94 +86,20 @@ def _head_dim(hf_config: Any) -> int:
     return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def _num_kv_heads(hf_config: Any) -> int:
-    kv = getattr(hf_config, "num_key_value_heads", None)
-    return int(kv) if kv else int(hf_config.num_attention_heads)
-
-
-def _rope(hf_config: Any) -> tuple[float, dict[str, Any]]:
-    """(base, scaling parameters) from transformers 5's ``rope_parameters`` or the older
-    ``rope_theta`` / ``rope_scaling`` attributes."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-        base = params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        return float(base), params
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    return float(getattr(hf_config, "rope_theta", 10000.0)), scaling
-
-
-def _reject(hf_config: Any, reason: str) -> None:
-    raise ValueError(f"megatron backend: unsupported {hf_config.model_type!r} model: {reason}")
-
-
 def gpt_extra(hf_config: Any, *, tp: int = 1) -> GPTExtra:
     """Check ``hf_config`` is an architecture this backend reproduces; return ``GPTExtra``.
 
     Raises ``ValueError`` naming the first unsupported feature.
     """
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"megatron backend: unsupported model_type {model_type!r}; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
-        _reject(hf_config, "mixture-of-experts layers")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        _reject(hf_config, f"hidden_act {hf_config.hidden_act!r} (only SwiGLU with silu)")
-    # transformers lists per-layer attention kinds in layer_types (Qwen2's
-    # use_sliding_window only affects layers from max_window_layers on); older configs
-    # have only the flag.
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None:
-        if any(t != "full_attention" for t in layer_types):
-            _reject(hf_config, f"sliding-window layers {sorted(set(layer_types))}")
-    elif getattr(hf_config, "use_sliding_window", False):
-        _reject(hf_config, "sliding-window attention (use_sliding_window=True)")
-    # Qwen2 always has q/k/v biases and nothing else; Qwen3 and Llama put attention_bias
-    # on o_proj as well, which megatron can only express as a bias on every linear layer.
-    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
-        _reject(hf_config, "attention_bias=True (o_proj bias)")
-    if getattr(hf_config, "mlp_bias", False):
-        _reject(hf_config, "mlp_bias=True")
-    if getattr(hf_config, "partial_rotary_factor", 1.0) != 1.0:
-        _reject(hf_config, "partial rotary embeddings (partial_rotary_factor != 1)")
-    base, scaling = _rope(hf_config)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    rope_scaling, factor = False, 8.0
-    if rope_type == "llama3":
-        fixed = {k: scaling.get(k) for k in LLAMA3_ROPE_FIXED}
-        if any(
-            fixed[k] is None or not math.isclose(float(fixed[k]), v)
-            for k, v in LLAMA3_ROPE_FIXED.items()
-        ):
-            _reject(
-                hf_config, f"llama3 rope scaling {fixed} (megatron-core fixes {LLAMA3_ROPE_FIXED})"
-            )
-        rope_scaling, factor = True, float(scaling["factor"])
-    elif rope_type != "default":
-        _reject(hf_config, f"rope scaling type {rope_type!r} (only default and llama3)")
-
-    heads, kv_heads = hf_config.num_attention_heads, _num_kv_heads(hf_config)
-    if heads % kv_heads:
-        _reject(hf_config, f"{heads} attention heads not divisible by {kv_heads} KV heads")
-    if tp < 1 or kv_heads % tp:
-        _reject(
-            hf_config,
-            f"tensor-parallel size {tp} must divide the {kv_heads} KV heads "
-            f"(and so the {heads} query heads)",
-        )
-    if hf_config.intermediate_size % tp:
-        _reject(hf_config, f"tensor-parallel size {tp} must divide intermediate_size")
+    rope = check_architecture(hf_config, tp)
     return GPTExtra(
-        model_type=model_type,
+        model_type=hf_config.model_type,
         vocab_size=int(hf_config.vocab_size),
         padded_vocab_size=padded_vocab_size(int(hf_config.vocab_size), tp),
         max_sequence_length=int(hf_config.max_position_embeddings),
-        rotary_base=base,
-        rope_scaling=rope_scaling,
-        rope_scaling_factor=factor,
+        rotary_base=rope.base,
+        rope_scaling=rope.scaling,
+        rope_scaling_factor=rope.factor,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         tp=tp,
     )

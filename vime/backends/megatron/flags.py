@@ -2,7 +2,10 @@
 
 Where it fits: named by the registry, loaded by the CLI parser only when
 ``--train-backend megatron`` is selected (or to recognise a misplaced flag).
-Argparse only: importing this module must not import torch or megatron-core.
+Argparse and stdlib only: importing this module must not import torch or
+megatron-core. The architecture rules (``check_architecture``) live here, not in
+``convert``, so that one function judges the checkpoint's config.json while the
+flags are parsed and the transformers config again when the actor converts it.
 """
 
 from __future__ import annotations
@@ -10,11 +13,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from vime.config.errors import ConfigError
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+# The only llama3 RoPE scaling megatron-core's RotaryEmbedding reproduces: it fixes these
+# three (RotaryEmbedding._apply_scaling) and takes only the factor as a parameter.
+LLAMA3_ROPE_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -85,8 +100,148 @@ def validate(args: argparse.Namespace) -> int:
         )
     if args.megatron_sequence_parallel and tp == 1:
         raise ConfigError("--megatron-sequence-parallel needs --megatron-tensor-parallel-size > 1")
-    _check_layers(args, pp)
+    hf_config = _read_hf_config(args.hf_checkpoint)
+    _check_architecture(args, hf_config, tp)
+    _check_layers(args, pp, hf_config)
     return world // (tp * pp)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """The RoPE settings megatron-core's ``GPTModel`` takes, as ``check_architecture`` read them."""
+
+    base: float
+    scaling: bool
+    factor: float
+
+
+def num_kv_heads(hf_config: Any) -> int:
+    kv = getattr(hf_config, "num_key_value_heads", None)
+    return int(kv) if kv else int(hf_config.num_attention_heads)
+
+
+def _rope(hf_config: Any) -> tuple[float, dict[str, Any]]:
+    """(base, scaling parameters) from transformers 5's ``rope_parameters`` or the older
+    ``rope_theta`` / ``rope_scaling`` attributes."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        base = params.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return float(base), params
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    return float(getattr(hf_config, "rope_theta", 10000.0)), scaling
+
+
+def _reject(hf_config: Any, reason: str) -> None:
+    raise ValueError(f"megatron backend: unsupported {hf_config.model_type!r} model: {reason}")
+
+
+def _sliding_window(hf_config: Any) -> str | None:
+    """Why the model has sliding-window layers, or None. transformers lists each layer's
+    attention kind in ``layer_types``; a raw config.json of an older Qwen2 has only the
+    flag, which transformers turns into sliding layers from ``max_window_layers`` on."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        if any(t != "full_attention" for t in layer_types):
+            return f"sliding-window layers {sorted(set(layer_types))}"
+        return None
+    if not getattr(hf_config, "use_sliding_window", False):
+        return None
+    first = getattr(hf_config, "max_window_layers", 0)
+    layers = getattr(hf_config, "num_hidden_layers", first + 1)
+    if getattr(hf_config, "sliding_window", None) is None or first >= layers:
+        return None
+    return "sliding-window attention (use_sliding_window=True)"
+
+
+def check_architecture(hf_config: Any, tp: int = 1) -> Rope:
+    """Check ``hf_config`` is an architecture the megatron backend reproduces exactly,
+    split over ``tp`` tensor-parallel ranks; return its RoPE settings.
+
+    ``hf_config`` is a transformers config, or (at parse time) the attributes of a raw
+    config.json: both answer ``getattr`` alike. Pure: no torch, no megatron. Raises
+    ``ValueError`` naming the first unsupported feature.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"megatron backend: unsupported model_type {model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (--train-backend fsdp2 trains "
+            "other HF causal LMs)"
+        )
+    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+        _reject(hf_config, "mixture-of-experts layers")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        _reject(hf_config, f"hidden_act {hf_config.hidden_act!r} (only SwiGLU with silu)")
+    sliding = _sliding_window(hf_config)
+    if sliding is not None:
+        _reject(hf_config, sliding)
+    # Qwen2 always has q/k/v biases and nothing else; Qwen3 and Llama put attention_bias
+    # on o_proj as well, which megatron can only express as a bias on every linear layer.
+    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
+        _reject(hf_config, "attention_bias=True (o_proj bias)")
+    if getattr(hf_config, "mlp_bias", False):
+        _reject(hf_config, "mlp_bias=True")
+    if getattr(hf_config, "partial_rotary_factor", 1.0) != 1.0:
+        _reject(hf_config, "partial rotary embeddings (partial_rotary_factor != 1)")
+    base, scaling = _rope(hf_config)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    rope_scaling, factor = False, 8.0
+    if rope_type == "llama3":
+        fixed = {k: scaling.get(k) for k in LLAMA3_ROPE_FIXED}
+        if any(
+            fixed[k] is None or not math.isclose(float(fixed[k]), v)
+            for k, v in LLAMA3_ROPE_FIXED.items()
+        ):
+            _reject(
+                hf_config, f"llama3 rope scaling {fixed} (megatron-core fixes {LLAMA3_ROPE_FIXED})"
+            )
+        rope_scaling, factor = True, float(scaling["factor"])
+    elif rope_type != "default":
+        _reject(hf_config, f"rope scaling type {rope_type!r} (only default and llama3)")
+
+    heads, kv_heads = int(hf_config.num_attention_heads), num_kv_heads(hf_config)
+    if heads % kv_heads:
+        _reject(hf_config, f"{heads} attention heads not divisible by {kv_heads} KV heads")
+    if tp < 1 or kv_heads % tp:
+        _reject(
+            hf_config,
+            f"tensor-parallel size {tp} (--megatron-tensor-parallel-size) must divide the "
+            f"{kv_heads} KV heads (and so the {heads} query heads)",
+        )
+    if int(hf_config.intermediate_size) % tp:
+        _reject(
+            hf_config,
+            f"tensor-parallel size {tp} (--megatron-tensor-parallel-size) must divide "
+            f"intermediate_size {hf_config.intermediate_size}",
+        )
+    return Rope(base, rope_scaling, factor)
+
+
+def _read_hf_config(hf_checkpoint: str | None) -> dict[str, Any] | None:
+    """The checkpoint's config.json as a dict (plain JSON, so parsing stays light); None
+    without a checkpoint or when it cannot be read -- the model loader reports that."""
+    if not hf_checkpoint:
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
+        if isinstance(config, dict):
+            return config
+    return None
+
+
+def _check_architecture(args: argparse.Namespace, config: dict[str, Any] | None, tp: int) -> None:
+    """``check_architecture`` on the raw config.json, so an unsupported model or a TP size
+    that does not split it stops the run before any process starts."""
+    # Without model_type the file is no HF config at all: the model loader says so.
+    if config is None or "model_type" not in config:
+        return
+    try:
+        check_architecture(SimpleNamespace(**config), tp)
+    except ValueError as err:
+        raise ConfigError(f"{args.hf_checkpoint}: {err}") from None
+    except (AttributeError, TypeError):
+        return  # a field the rules need is missing or malformed: the loader's to report
 
 
 def stage_layer_counts(
@@ -129,20 +284,18 @@ def stage_layer_counts(
     return tuple(counts)
 
 
-def _check_layers(args: argparse.Namespace, pp: int) -> None:
+def _check_layers(args: argparse.Namespace, pp: int, config: dict[str, Any] | None) -> None:
     """The layers must split over the pipeline stages (``stage_layer_counts``); the
-    layer count is read from the checkpoint's ``config.json`` (plain JSON, so parsing
-    stays light)."""
+    layer count is read from the checkpoint's ``config.json``."""
     first = args.megatron_decoder_first_pipeline_num_layers
     last = args.megatron_decoder_last_pipeline_num_layers
     if pp == 1 and first is None and last is None:
         return
     layers = None
-    if args.hf_checkpoint:
-        config = Path(args.hf_checkpoint) / "config.json"
-        # An unreadable config is the model loader's to report.
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            layers = int(json.loads(config.read_text())["num_hidden_layers"])
+    if config is not None:
+        # An unusable layer count is the model loader's to report.
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            layers = int(config["num_hidden_layers"])
     if layers is None:
         # Unknown model size: check the flags alone, against a model they split exactly
         # (one layer on each stage without a fixed count).
