@@ -4,13 +4,25 @@ Proves that the global batch size and the number of optimizer steps are derived
 from each other consistently, that the data-parallel size follows the backend
 (world / (TP x PP) for megatron), that --load may name the --save folder before
 it exists (auto-resume), that the parsed Config refuses writes, and that the
-choices the CLI offers are exactly the ones ``vime.algo`` implements.
+choices the CLI offers are exactly the ones ``vime.algo`` implements. Also that
+the embedded default's eval set is the eval split of the built-in task it trains
+on (none for a user's own file), that a run's configuration needs --prompt-data
+with --hf-checkpoint, and that the megatron backend's architecture rules judge the
+checkpoint's raw config.json while the flags are parsed (unsupported model type,
+activation, sliding windows, a TP size that does not split the KV heads or the MLP)
+and agree with their verdict on the transformers config the actor loads.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
+from vime.backends.megatron.flags import check_architecture
 from vime.config import ConfigError, parse_args
 from vime.config import flags as common_flags
 
@@ -94,3 +106,144 @@ def test_cli_choices_match_algo() -> None:
     assert common_flags.ADVANTAGE_ESTIMATORS == algo.ADVANTAGE_ESTIMATORS
     assert common_flags.KL_TYPES == algo.KL_TYPES
     assert common_flags.AGGREGATION_MODES == algo.AGGREGATION_MODES
+
+
+def test_embedded_eval_follows_the_training_task(tmp_path) -> None:
+    default = parse_args([])
+    assert (default.eval_prompt_data, default.eval_interval) == ("builtin:reverse:eval", 20)
+    add = parse_args(["--prompt-data", "builtin:add"])
+    assert (add.eval_prompt_data, add.eval_interval) == ("builtin:add:eval", 20)
+    assert parse_args(["--prompt-data", "builtin:add", "--eval-interval", "5"]).eval_interval == 5
+    # A user's own prompt file: no built-in task's eval split is scored against it.
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    own = parse_args(["--prompt-data", str(data), "--rm-type", "exact"])
+    assert (own.eval_prompt_data, own.eval_interval) == (None, None)
+    # With a checkpoint nothing is defaulted.
+    real = parse_args(["--hf-checkpoint", str(tmp_path), "--prompt-data", "builtin:add"])
+    assert (real.eval_prompt_data, real.eval_interval) == (None, None)
+
+
+def test_a_run_needs_prompt_data_with_a_checkpoint(tmp_path) -> None:
+    # A configuration for one part (a train actor) need not name prompts...
+    assert parse_args(["--hf-checkpoint", str(tmp_path)]).prompt_data is None
+    # ...a whole run does.
+    with pytest.raises(ConfigError, match="--prompt-data is required with --hf-checkpoint"):
+        parse_args(["--hf-checkpoint", str(tmp_path)], for_run=True)
+    assert parse_args([], for_run=True).prompt_data == "builtin:reverse"
+
+
+QWEN3 = {
+    "model_type": "qwen3",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "hidden_act": "silu",
+}
+
+
+def _megatron(tmp_path: Path, config: dict[str, Any], tp: int) -> Any:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return parse_args(
+        [
+            "--train-backend",
+            "megatron",
+            "--hf-checkpoint",
+            str(tmp_path),
+            "--prompt-data",
+            "builtin:add",
+            "--actor-num-gpus-per-node",
+            str(tp),
+            "--megatron-tensor-parallel-size",
+            str(tp),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "tp", "message"),
+    [
+        ({"model_type": "gemma3_text"}, 1, "unsupported model_type 'gemma3_text'"),
+        ({"num_key_value_heads": 1}, 2, "tensor-parallel size 2 .* must divide the 1 KV heads"),
+        ({"num_attention_heads": 3, "num_key_value_heads": 3}, 2, "must divide the 3 KV heads"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 4}, 1, "6 attention heads not div"),
+        ({"intermediate_size": 97}, 2, "must divide intermediate_size 97"),
+        ({"hidden_act": "gelu"}, 1, "hidden_act 'gelu'"),
+        ({"num_experts": 8}, 1, "mixture-of-experts"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, 1, "sliding-window layers"),
+        (
+            {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+            1,
+            "sliding-window attention",
+        ),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 1, "rope scaling type 'yarn'"),
+    ],
+)
+def test_megatron_architecture_is_checked_at_parse_time(
+    tmp_path: Path, changes: dict[str, Any], tp: int, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        _megatron(tmp_path, {**QWEN3, **changes}, tp)
+    assert str(err.value).startswith(f"{tmp_path}: megatron backend: unsupported")
+
+
+def test_megatron_parse_accepts_what_it_can_split(tmp_path: Path) -> None:
+    assert _megatron(tmp_path, QWEN3, 2).megatron_tensor_parallel_size == 2
+    # Qwen2's flag alone makes no sliding layer when they would all start past the last one.
+    late = {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}
+    assert _megatron(tmp_path, {**QWEN3, "model_type": "qwen2", **late}, 1).data_parallel_size == 1
+    # Not an HF config at all: the model loader reports it, not the parser.
+    assert _megatron(tmp_path, {"num_hidden_layers": 2}, 2).data_parallel_size == 1
+
+
+def _verdict(config: Any, tp: int) -> str:
+    """The RoPE settings of an accepted config, or the reason it is refused."""
+    try:
+        return repr(check_architecture(config, tp))
+    except ValueError as err:
+        return f"refused: {err}"
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "tp"),
+    [
+        ("Qwen3Config", {"num_attention_heads": 4, "num_key_value_heads": 2}, 2),
+        ("Qwen3Config", {"num_attention_heads": 4, "num_key_value_heads": 1}, 2),
+        ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 16}, 1),
+        (
+            "Qwen2Config",
+            {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+            1,
+        ),
+        ("LlamaConfig", {"hidden_act": "gelu"}, 1),
+        (
+            "LlamaConfig",
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                    "rope_theta": 500000.0,
+                },
+                "max_position_embeddings": 16384,
+            },
+            1,
+        ),
+    ],
+)
+def test_raw_config_json_gets_the_actors_verdict(cls: str, kwargs: dict, tp: int) -> None:
+    """What the parser reads (config.json, also as an older transformers wrote it, without
+    layer_types) is judged as the actor judges the loaded transformers config."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, cls)(num_hidden_layers=2, intermediate_size=96, **kwargs)
+    raw = json.loads(config.to_json_string())
+    loaded = _verdict(config, tp)
+    assert _verdict(SimpleNamespace(**raw), tp) == loaded
+    # Without layer_types the reason is worded from the flag; the verdict is the same.
+    raw.pop("layer_types", None)
+    older = _verdict(SimpleNamespace(**raw), tp)
+    assert older.startswith("refused") if loaded.startswith("refused") else older == loaded

@@ -415,8 +415,6 @@ def _model(p: argparse._ArgumentGroup) -> None:
 # settings: larger learning rates collapse onto a constant answer within seconds.
 EMBEDDED_DEFAULTS = {
     "prompt_data": "builtin:reverse",
-    "eval_prompt_data": "builtin:reverse:eval",
-    "eval_interval": 20,
     "rollout_batch_size": 64,
     "n_samples_per_prompt": 8,
     "rollout_max_prompt_len": 64,
@@ -429,6 +427,24 @@ EMBEDDED_DEFAULTS = {
     # mask, quadratic in the row length (bench/README.md).
     "max_tokens_per_gpu": 1024,
 }
+EMBEDDED_EVAL_INTERVAL = 20
+BUILTIN_DATA_PREFIX = "builtin:"
+
+
+def apply_embedded_eval_defaults(args: argparse.Namespace) -> None:
+    """The embedded default's held-out prompts, once the flags are parsed: the eval split
+    of the built-in task it trains on, scored every ``EMBEDDED_EVAL_INTERVAL`` rollouts.
+
+    Eval is scored with the training data's reward, so a fixed default (another task's
+    eval split) would be scored wrongly; a user's own prompt file gets no eval set unless
+    ``--eval-prompt-data`` names one.
+    """
+    data = args.prompt_data
+    if args.eval_prompt_data is None and data and data.startswith(BUILTIN_DATA_PREFIX):
+        task = data[len(BUILTIN_DATA_PREFIX) :].split(":", 1)[0]
+        args.eval_prompt_data = f"{BUILTIN_DATA_PREFIX}{task}:eval"
+    if args.eval_prompt_data is not None and args.eval_interval is None:
+        args.eval_interval = EMBEDDED_EVAL_INTERVAL
 
 
 GROUPS = (

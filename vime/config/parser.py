@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from vime.backends import registry
 from vime.config.errors import ConfigError
-from vime.config.flags import EMBEDDED_DEFAULTS, add_common_flags
+from vime.config.flags import EMBEDDED_DEFAULTS, add_common_flags, apply_embedded_eval_defaults
 from vime.config.validate import validate
 
 PROG = "vime-train"
@@ -137,11 +137,13 @@ def _explain_unknown(unknown: list[str], backend: str, parser: argparse.Argument
     return f"unknown flag {flag}; {hint}"
 
 
-def parse_args(argv: Sequence[str]) -> Config:
+def parse_args(argv: Sequence[str], *, for_run: bool = False) -> Config:
     """Parse and validate ``argv`` (without the program name) into a frozen ``Config``.
 
-    Raises ``ConfigError`` (one-line message) on any bad input; ``--help`` exits
-    through argparse as usual.
+    ``for_run``: the flags configure a whole run, as ``vime-train``'s do, so what only
+    a run needs (its prompts) is required too; without it the result may configure one
+    part, such as a train actor. Raises ``ConfigError`` (one-line message) on any bad
+    input; ``--help`` exits through argparse as usual.
     """
     argv = list(argv)
     named = _pre_parse_backend(argv)
@@ -149,12 +151,15 @@ def parse_args(argv: Sequence[str]) -> Config:
     wants_help = any(tok in ("-h", "--help") for tok in argv)
     # Plain --help shows the common flags only; naming a backend adds its flags.
     parser = build_parser(named if wants_help else backend)
-    if not _names_checkpoint(argv):
+    embedded = not _names_checkpoint(argv)
+    if embedded:
         # No model given: the embedded default (tiny model, built-in task) with settings
         # that make it learn on a laptop; every one of them can still be overridden.
         parser.set_defaults(**EMBEDDED_DEFAULTS)
     namespace, unknown = parser.parse_known_args(argv, namespace=Config())
     if unknown:
         raise ConfigError(_explain_unknown(unknown, backend, parser))
-    validate(namespace)
+    if embedded:
+        apply_embedded_eval_defaults(namespace)
+    validate(namespace, for_run=for_run)
     return namespace.freeze()

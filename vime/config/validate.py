@@ -14,16 +14,26 @@ import os
 
 from vime.backends import registry
 from vime.config.errors import ConfigError
+from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.config.model_args import check_model_args_against_checkpoint
 
-BUILTIN_DATA_PREFIX = "builtin:"
 
+def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
+    """Check ``args`` in place and fill in derived settings; raise ``ConfigError``.
 
-def validate(args: argparse.Namespace) -> None:
-    """Check ``args`` in place and fill in derived settings; raise ``ConfigError``."""
+    ``for_run``: ``args`` configure a whole run (the CLI), which also needs prompts; a
+    configuration for one part (a train actor in a test) need not name any.
+    """
     args.data_parallel_size = registry.validator(args.train_backend)(args)
     _check_paths(args)
     check_model_args_against_checkpoint(args)
+    if for_run and args.prompt_data is None:
+        raise ConfigError(
+            "--prompt-data is required with --hf-checkpoint (a .jsonl or .parquet file, "
+            "or builtin:<task>)"
+        )
+    _check_data(args)
+    _check_placement(args)
     _check_batches(args)
     _check_sampling(args)
     _check_algorithm(args)
@@ -49,6 +59,76 @@ def _check_paths(args: argparse.Namespace) -> None:
     # --load may name the --save folder before its first checkpoint exists (auto-resume).
     if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
         raise ConfigError(f"--load {args.load}: no such directory")
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    train_task = None
+    if args.prompt_data is not None:
+        train_task = _check_builtin("--prompt-data", args.prompt_data)
+    if args.eval_prompt_data is not None:
+        eval_task = _check_builtin("--eval-prompt-data", args.eval_prompt_data)
+        # Eval is scored with the training task's reward and correctness test.
+        if train_task is not None and eval_task is not None and eval_task != train_task:
+            raise ConfigError(
+                f"--eval-prompt-data {args.eval_prompt_data} is another task than --prompt-data "
+                f"{args.prompt_data} (eval is scored with the training task's reward); use "
+                f"{BUILTIN_DATA_PREFIX}{train_task}:eval"
+            )
+    elif args.eval_interval is not None:
+        raise ConfigError(
+            f"--eval-interval {args.eval_interval} needs --eval-prompt-data (the held-out "
+            "prompts to score)"
+        )
+
+
+def _check_builtin(flag: str, spec: str) -> str | None:
+    """The task of a ``builtin:<task>[:eval]`` spec (None for a file), checked now so that
+    a typo fails before any process starts."""
+    if not spec.startswith(BUILTIN_DATA_PREFIX):
+        return None
+    from vime.data import tasks  # deferred: vime.data.tasks imports vime.config
+
+    parts = spec[len(BUILTIN_DATA_PREFIX) :].split(":")
+    if len(parts) > 2 or not parts[0]:
+        raise ConfigError(f"{flag} {spec}: write builtin:<task> or builtin:<task>:eval")
+    if parts[0] not in tasks.TASKS:
+        known = ", ".join(sorted(tasks.TASKS))
+        raise ConfigError(f"{flag} {spec}: unknown built-in task '{parts[0]}'; known: {known}")
+    if len(parts) == 2 and parts[1] not in tasks.SPLITS:
+        splits = ", ".join(tasks.SPLITS)
+        raise ConfigError(f"{flag} {spec}: no split '{parts[1]}'; use one of: {splits}")
+    return parts[0]
+
+
+def _check_placement(args: argparse.Namespace) -> None:
+    """The rules ``vime.ray.placement.layout_of`` relies on, checked before Ray starts."""
+    num_train = args.actor_num_nodes * args.actor_num_gpus_per_node
+    per_engine = args.rollout_num_gpus_per_engine
+    rollout_gpus = args.rollout_num_gpus or (num_train if args.colocate else per_engine)
+    if rollout_gpus % per_engine != 0:
+        raise ConfigError(
+            f"--rollout-num-gpus {rollout_gpus} is not a multiple of "
+            f"--rollout-num-gpus-per-engine {per_engine} (each engine takes that many)"
+        )
+    if args.colocate and rollout_gpus > num_train:
+        raise ConfigError(
+            f"--colocate puts the engines on the {num_train} training device(s) "
+            f"(--actor-num-nodes x --actor-num-gpus-per-node); --rollout-num-gpus "
+            f"{rollout_gpus} does not fit"
+        )
+    if args.weight_sync == "cuda-ipc":
+        if not args.colocate or per_engine != 1:
+            raise ConfigError(
+                "--weight-sync cuda-ipc needs --colocate and --rollout-num-gpus-per-engine 1 "
+                "(each engine opens the handles of the training rank on its GPU)"
+            )
+        from vime import device  # imports torch: only paid when cuda-ipc is asked for
+
+        if not device.cuda_available():
+            raise ConfigError(
+                "--weight-sync cuda-ipc needs CUDA GPUs, and none is visible here; "
+                "use --weight-sync auto"
+            )
 
 
 def _check_batches(args: argparse.Namespace) -> None:

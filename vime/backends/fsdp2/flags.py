@@ -8,6 +8,7 @@ Argparse only: importing this module must not import torch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 from vime.config.errors import ConfigError
 
@@ -83,4 +84,18 @@ def validate(args: argparse.Namespace) -> int:
             )
     elif args.fsdp_shard_size is not None:
         raise ConfigError("--fsdp-shard-size only applies with --fsdp-mode hybrid")
+    # Only the cheap half of transformers' own check: whether a GPU can run it needs torch.
+    if args.attn_implementation == "flash_attention_2" and not _importable("flash_attn"):
+        raise ConfigError(
+            "--attn-implementation flash_attention_2 needs the flash-attn package, which is "
+            "not installed here; install it or use --attn-implementation auto"
+        )
     return world
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` could be imported, without importing it (or anything heavy)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
