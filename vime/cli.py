@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        config = parse_args(sys.argv[1:] if argv is None else argv)
+        config = parse_args(sys.argv[1:] if argv is None else argv, for_run=True)
     except ConfigError as err:
         print(f"vime-train: error: {err}", file=sys.stderr)
         return 2

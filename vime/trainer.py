@@ -37,7 +37,8 @@ EMBEDDED_MODEL_DIR = "embedded_model"
 
 
 def run(args: Config) -> dict[str, Any]:
-    """Train as ``args`` says; returns the final summary (also in ``summary.json``).
+    """Train as ``args`` (from ``parse_args(argv, for_run=True)``) says; returns the final
+    summary (also in ``summary.json``).
 
     A run that fails while it is being set up (bad data, an unreachable cluster)
     removes the output folder it created, so a failed start leaves nothing behind.
@@ -63,11 +64,6 @@ class Run:
     """One training run: owns the Ray actors, the data position and the tracker."""
 
     def __init__(self, args: Config) -> None:
-        if args.prompt_data is None:
-            raise ConfigError(
-                "--prompt-data is required with --hf-checkpoint (a .jsonl or .parquet file, "
-                "or builtin:<task>)"
-            )
         output_dir = args.output_dir or default_output_dir()
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir

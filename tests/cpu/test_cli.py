@@ -158,11 +158,6 @@ def test_bad_input_is_one_line_error(argv: list[str], fragments: list[str]) -> N
     assert_one_line_error(run_cli(*argv), *fragments)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vime/cli.py must call parse_args(argv, for_run=True); until then the trainer "
-    "reports a missing --prompt-data after the configuration was called valid",
-)
 def test_missing_prompt_data_fails_while_parsing() -> None:
     assert_one_line_error(
         run_cli("--dry-run", "--hf-checkpoint", "."),
