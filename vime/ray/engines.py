@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from vime.ray.placement import Placement, wait_all
+from vime.ray.placement import Layout, Placement, wait_all
 from vime.rollout.types import Completion, SamplingParams
 from vime.weights.buckets import WholeLayers
 
@@ -36,6 +37,48 @@ def resolve_engine(name: str) -> tuple[str, str]:
     if importlib.util.find_spec("vllm") is not None:
         return "vllm", "auto: vllm is importable"
     return "hf", "auto: vllm is not installed"
+
+
+# The share of a GPU an engine process takes beside a training rank under --colocate.
+COLOCATED_GPU_SHARE = 0.2
+
+
+@dataclass(frozen=True)
+class EngineActorSpec:
+    """How engine ``e``'s actor is placed (``engine_actor_spec``)."""
+
+    bundle: int
+    num_cpus: float
+    num_gpus: float
+    capture_child_tasks: bool
+    env_vars: dict[str, str]
+
+
+def engine_actor_spec(layout: Layout, engine: int) -> EngineActorSpec:
+    """Ray placement of engine ``engine``'s actor on its bundles (pure, tested on the CPU).
+
+    One GPU per engine: the actor takes that GPU (a share of it under ``--colocate``)
+    and vLLM runs in its process. Several GPUs per engine (vLLM tensor parallel):
+    vLLM's Ray executor starts one worker per GPU inside the actor's placement group,
+    so the actor holds no GPU itself, lets its child tasks into the group, and names
+    the engine's bundles in ``VLLM_RAY_BUNDLE_INDICES`` (by default vLLM would take
+    the group's first GPU bundles, which are the training ranks'), each worker taking
+    the GPU share the actor would have taken.
+    """
+    bundles = layout.engine_bundles(engine)
+    share = COLOCATED_GPU_SHARE if layout.colocate else 1.0
+    env = dict(ENGINE_ENV_VARS)
+    tensor_parallel = layout.use_gpu and len(bundles) > 1
+    if tensor_parallel:
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundles)
+        env["VLLM_RAY_PER_WORKER_GPUS"] = str(share)
+    return EngineActorSpec(
+        bundle=bundles[0],
+        num_cpus=0 if layout.colocate else 1,
+        num_gpus=share if layout.use_gpu and not tensor_parallel else 0,
+        capture_child_tasks=tensor_parallel,
+        env_vars=env,
+    )
 
 
 class EngineActor:
@@ -153,15 +196,19 @@ class EngineGroup:
         layout = placement.layout
         remote = ray.remote(EngineActor)
         self.kind = kind
-        self.actors = [
-            remote.options(
-                num_cpus=0 if layout.colocate else 1,
-                num_gpus=(0.2 if layout.colocate else 1) if layout.use_gpu else 0,
-                scheduling_strategy=placement.strategy(layout.engine_bundles(e)[0]),
-                runtime_env={"env_vars": dict(ENGINE_ENV_VARS)},
-            ).remote(kind, checkpoint, options)
-            for e in range(layout.num_engines)
-        ]
+        self.actors = []
+        for e in range(layout.num_engines):
+            spec = engine_actor_spec(layout, e)
+            self.actors.append(
+                remote.options(
+                    num_cpus=spec.num_cpus,
+                    num_gpus=spec.num_gpus,
+                    scheduling_strategy=placement.strategy(
+                        spec.bundle, capture_child_tasks=spec.capture_child_tasks
+                    ),
+                    runtime_env={"env_vars": spec.env_vars},
+                ).remote(kind, checkpoint, options)
+            )
         wait_all([a.ready.remote() for a in self.actors], "starting the rollout engines")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:

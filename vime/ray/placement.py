@@ -189,9 +189,13 @@ class Placement:
     group: PlacementGroup
     layout: Layout
 
-    def strategy(self, bundle: int) -> PlacementGroupSchedulingStrategy:
+    def strategy(
+        self, bundle: int, *, capture_child_tasks: bool = False
+    ) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=bundle
+            placement_group=self.group,
+            placement_group_bundle_index=bundle,
+            placement_group_capture_child_tasks=capture_child_tasks,
         )
 
 
