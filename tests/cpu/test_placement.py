@@ -63,7 +63,7 @@ def test_default_is_one_engine_beside_training() -> None:
     ],
 )
 def test_bad_counts_are_refused(kw, fragment) -> None:
-    with pytest.raises(ValueError, match=fragment):
+    with pytest.raises(ConfigError, match=fragment):
         layout_of(_args(**kw), use_gpu=False)
 
 

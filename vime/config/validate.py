@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from vime.backends import registry
 from vime.config.errors import ConfigError
@@ -100,8 +101,11 @@ def _check_builtin(flag: str, spec: str) -> str | None:
     return parts[0]
 
 
-def _check_placement(args: argparse.Namespace) -> None:
-    """The rules ``vime.ray.placement.layout_of`` relies on, checked before Ray starts."""
+def rollout_device_count(args: Any) -> int:
+    """How many devices the rollout engines use in all: ``--rollout-num-gpus``, or by
+    default every training device under ``--colocate`` and one engine's worth beside
+    training otherwise. ConfigError when the engines cannot be laid out on them (also
+    what ``vime.ray.placement.layout_of`` builds its layout from)."""
     num_train = args.actor_num_nodes * args.actor_num_gpus_per_node
     per_engine = args.rollout_num_gpus_per_engine
     rollout_gpus = args.rollout_num_gpus or (num_train if args.colocate else per_engine)
@@ -116,8 +120,14 @@ def _check_placement(args: argparse.Namespace) -> None:
             f"(--actor-num-nodes x --actor-num-gpus-per-node); --rollout-num-gpus "
             f"{rollout_gpus} does not fit"
         )
+    return rollout_gpus
+
+
+def _check_placement(args: argparse.Namespace) -> None:
+    """The device layout, checked before Ray starts."""
+    rollout_device_count(args)
     if args.weight_sync == "cuda-ipc":
-        if not args.colocate or per_engine != 1:
+        if not args.colocate or args.rollout_num_gpus_per_engine != 1:
             raise ConfigError(
                 "--weight-sync cuda-ipc needs --colocate and --rollout-num-gpus-per-engine 1 "
                 "(each engine opens the handles of the training rank on its GPU)"

@@ -28,6 +28,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.config.errors import ConfigError
+from vime.config.validate import rollout_device_count
 
 READY_TIMEOUT_S = 120.0
 # How long joining a cluster waits for its GCS port to accept a connection, and then
@@ -64,18 +65,8 @@ class Layout:
 def layout_of(args: Any, use_gpu: bool) -> Layout:
     num_train = args.actor_num_nodes * args.actor_num_gpus_per_node
     per_engine = args.rollout_num_gpus_per_engine
-    rollout_gpus = args.rollout_num_gpus or (num_train if args.colocate else per_engine)
-    if rollout_gpus % per_engine != 0:
-        raise ValueError(
-            f"--rollout-num-gpus {rollout_gpus} is not a multiple of "
-            f"--rollout-num-gpus-per-engine {per_engine}"
-        )
-    if args.colocate and rollout_gpus > num_train:
-        raise ValueError(
-            f"--colocate puts engines on the {num_train} training devices; "
-            f"--rollout-num-gpus {rollout_gpus} does not fit"
-        )
-    return Layout(num_train, rollout_gpus // per_engine, per_engine, args.colocate, use_gpu)
+    engines = rollout_device_count(args) // per_engine
+    return Layout(num_train, engines, per_engine, args.colocate, use_gpu)
 
 
 def start_ray(address: str | None, min_cpus: int) -> None:
