@@ -330,15 +330,12 @@ def _task(name: str | None) -> Any:
 
 
 def _transport(args: Config, use_gpu: bool) -> str:
-    ipc_ok = use_gpu and args.colocate and args.rollout_num_gpus_per_engine == 1
-    if args.weight_sync == "cuda-ipc" and not ipc_ok:
-        raise ConfigError(
-            "--weight-sync cuda-ipc needs GPUs, --colocate and one GPU per engine "
-            "(each engine opens the handles of the training rank on its GPU)"
-        )
+    """The weight transport: as asked (validated while parsing), or for ``auto`` CUDA IPC
+    where every engine shares its GPU with the training rank it reads from."""
     if args.weight_sync != "auto":
         return args.weight_sync
     if use_gpu:
+        ipc_ok = args.colocate and args.rollout_num_gpus_per_engine == 1
         return "cuda-ipc" if ipc_ok else "broadcast"
     return "object-store"
 
