@@ -355,7 +355,13 @@ def _optimizer(p: argparse._ArgumentGroup) -> None:
 
 
 def _checkpoint(p: argparse._ArgumentGroup) -> None:
-    p.add_argument("--save", default=None, metavar="DIR", help="checkpoint folder (iter_N/)")
+    p.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="checkpoint folder (iter_N/); saved after the last rollout, and every "
+        "--save-interval rollouts when given",
+    )
     p.add_argument(
         "--load",
         default=None,
