@@ -217,6 +217,33 @@ def latest(save_dir: str | os.PathLike) -> int | None:
     return rollout_id
 
 
+def resume_point(load_dir: str | os.PathLike) -> int | None:
+    """The rollout id ``--load`` resumes from, or None to start from scratch.
+
+    None only when nothing was ever committed there: a missing or empty folder (or one
+    holding nothing but a crashed first save) is the first run of a resumable job. A
+    folder that holds checkpoints but no tracker, or that is itself a checkpoint, raises
+    CheckpointError: starting over there would silently throw the training away.
+    """
+    load_dir = Path(load_dir)
+    rollout_id = latest(load_dir)
+    if rollout_id is not None:
+        return rollout_id
+    if _FINAL_RE.fullmatch(load_dir.name) or (load_dir / METADATA).is_file():
+        raise CheckpointError(
+            f"--load {load_dir} names a checkpoint folder itself; pass the folder that holds "
+            f"it and {TRACKER} (--load {load_dir.parent})"
+        )
+    entries = load_dir.iterdir() if load_dir.is_dir() else ()
+    found = sorted(e.name for e in entries if _FINAL_RE.fullmatch(e.name))
+    if found:
+        raise CheckpointError(
+            f"--load {load_dir} holds {', '.join(found[-3:])} but no {TRACKER}; write the "
+            f"rollout id to resume from into {load_dir / TRACKER}"
+        )
+    return None
+
+
 def load_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint folder's metadata without checking its files (see ``verify``)."""
     path = Path(path)

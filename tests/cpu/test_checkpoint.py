@@ -6,7 +6,9 @@ a crash injected before every filesystem mutation of a commit (new id and
 re-save of the same id) still leaves the last complete checkpoint loadable and
 the next save succeeds; that re-saving an id replaces its content; that
 --keep-last-checkpoints prunes only older folders; that every kind of broken
-folder is reported with its name; that a writer SIGKILLed at random moments
+folder is reported with its name; that ``resume_point`` starts a missing, empty or
+crashed-first-save folder from scratch but refuses a checkpoint folder itself or
+checkpoints whose tracker is lost; that a writer SIGKILLed at random moments
 always leaves ``latest()`` naming a verified checkpoint with intact content;
 and that the RNG helpers make the next random draws identical after a restore.
 """
@@ -224,6 +226,27 @@ def test_tracker_errors_name_tracker_and_folder(tmp_path: Path) -> None:
     (tmp_path / ck.TRACKER).write_text("release")
     with pytest.raises(ck.CheckpointError, match="release"):
         ck.latest(tmp_path)
+
+
+def test_resume_point_starts_fresh_only_where_nothing_was_committed(tmp_path: Path) -> None:
+    assert ck.resume_point(tmp_path / "missing") is None
+    assert ck.resume_point(tmp_path) is None  # empty: the first run of a resumable job
+    ck.begin_save(tmp_path, 0, is_rank0=True)  # a first save that crashed before its commit
+    assert ck.resume_point(tmp_path) is None
+    _save(tmp_path, 3)
+    _save(tmp_path, 4)
+    assert ck.resume_point(tmp_path) == 4
+    for folder in (ck.iteration_dir(tmp_path, 4), tmp_path / "iter_0000009"):
+        with pytest.raises(ck.CheckpointError) as info:
+            ck.resume_point(folder)
+        assert f"--load {folder} names a checkpoint folder itself" in str(info.value)
+        assert f"(--load {tmp_path})" in str(info.value)
+    (tmp_path / ck.TRACKER).unlink()
+    with pytest.raises(ck.CheckpointError) as info:
+        ck.resume_point(tmp_path)
+    message = str(info.value)
+    assert f"--load {tmp_path} holds iter_0000003, iter_0000004 but no {ck.TRACKER}" in message
+    assert "\n" not in message
 
 
 # A writer that saves forever: ids base, base, base+1, base+1, ... (every other

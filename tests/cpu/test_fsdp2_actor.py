@@ -6,9 +6,12 @@ computation of the same loss written here independently (entropy + KL terms,
 so it is not zero, and the test fails if it is); dp=1 and dp=2 give the same
 weights after two rollouts with KL against a reference that by then differs
 from the actor, for token-mean and seq-mean-token-mean; the reference swap
-restores the actor bit for bit; a non-finite gradient skips the step; save ->
-new processes -> load -> continue equals the uninterrupted run bitwise; the HF
-export loads in transformers with the same logits.
+restores the actor bit for bit; a non-finite gradient skips the step, and
+``train/grad_norm`` is the mean over the steps taken (absent when none was, never a
+0 for the skipped one); save -> new processes -> load -> continue equals the
+uninterrupted run bitwise; the HF export loads in transformers with the same
+weights and the same logits; a bf16 checkpoint trains in fp32 master weights but
+publishes and exports bf16 (buckets, safetensors and config.json).
 """
 
 from __future__ import annotations
@@ -32,6 +35,17 @@ def hf_dir(tmp_path_factory) -> str:
 def llama_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny_llama")
     return save_tiny(path, tiny_llama_config(VOCAB, tie=True), seed=1)
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory) -> str:
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_qwen3_bf16")
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(tiny_qwen3_config(VOCAB), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    return str(path)
 
 
 def _scenario_job(rank: int, world: int, scenario: str, args) -> dict:
@@ -99,7 +113,21 @@ def scenario_nan(actor, args, start):
         make_batch(0, nan=True), global_batch_size=8, dp_size=actor.world, micro_batch_size=2
     )
     metrics = actor.train(sched)
-    return {"before": before, "after": _full_weights(actor), "metrics": metrics}
+    after = _full_weights(actor)
+    # Two steps of 4: the NaN sample's step is skipped, the other one is taken.
+    results = []
+    step = actor._optimizer_step
+
+    def recording(num_samples):
+        results.append(step(num_samples))
+        return results[-1]
+
+    actor._optimizer_step = recording
+    two_steps = schedule(
+        make_batch(0, nan=True), global_batch_size=4, dp_size=actor.world, micro_batch_size=2
+    )
+    mixed = actor.train(two_steps)
+    return {"before": before, "after": after, "metrics": metrics, "mixed": mixed, "steps": results}
 
 
 def scenario_save(actor, args, start):
@@ -117,10 +145,26 @@ def scenario_train_from1(actor, args, start):
     return scenario_train(actor, args, 1)
 
 
+def _packed_row(args, world):
+    """The first micro-batch of rollout 1 as one packed row (several samples)."""
+    sched = _sched(args, 1, world)
+    indices = next(iter(sched.plan.steps[0].for_rank(0)))
+    return sched.batch.pack(indices)
+
+
 def scenario_export(actor, args, start):
     actor.train(_sched(args, 0, actor.world))
     actor.export_hf(args.save_hf)
-    return {"weights": _full_weights(actor)}
+    with torch.no_grad():
+        logits = actor.model(**_packed_row(args, actor.world).model_inputs()).logits
+    return {"weights": _full_weights(actor), "logits": logits}
+
+
+def scenario_dtypes(actor, args, start):
+    actor.train(_sched(args, 0, actor.world))
+    actor.export_hf(args.save_hf)
+    buckets = {n: t.dtype for bucket in actor.weight_buckets(1 << 16) for n, t in bucket}
+    return {"master": {p.dtype for p in actor.params}, "buckets": buckets}
 
 
 SCENARIOS = {
@@ -134,6 +178,7 @@ SCENARIOS = {
         scenario_save_unstepped,
         scenario_train_from1,
         scenario_export,
+        scenario_dtypes,
     )
 }
 
@@ -205,8 +250,14 @@ def test_dp1_equals_dp2(hf_dir, tmp_path, mode) -> None:
 def test_non_finite_gradient_skips_step(hf_dir, tmp_path) -> None:
     got = run("nan", actor_args(hf_dir, 2), 2, tmp_path)
     assert got["metrics"]["train/skipped_steps"] == 1.0
+    assert "train/grad_norm" not in got["metrics"], "no step taken, yet a grad norm was logged"
     for name, w in got["before"].items():
         assert torch.equal(got["after"][name], w), name
+    skipped, taken = sorted(got["steps"], key=lambda r: not r.skipped)
+    assert skipped.skipped and not taken.skipped and taken.grad_norm > 1e-3
+    assert got["mixed"]["train/skipped_steps"] == 1.0
+    # The mean over the one step taken, not (taken + 0) / 2.
+    assert got["mixed"]["train/grad_norm"] == pytest.approx(taken.grad_norm, rel=1e-12)
 
 
 def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
@@ -246,3 +297,24 @@ def test_hf_export_same_logits(hf_dir, tmp_path) -> None:
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), got["weights"][name]), name
+    # The reloaded model (transformers' own attention) computes what the trained one did.
+    row = _packed_row(actor_args(hf_dir, 2), 2)
+    assert len(row.response_lengths) > 1, "one sample per row would not test packing"
+    with torch.no_grad():
+        logits = model(**row.model_inputs()).logits
+    assert float(logits.abs().max()) > 1e-2
+    torch.testing.assert_close(logits, got["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_checkpoint_publishes_and_exports_bf16(bf16_dir, tmp_path) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "export"
+    got = run("dtypes", actor_args(bf16_dir, 1, "--save-hf", str(out)), 1, tmp_path)
+    assert got["master"] == {torch.float32}, "training master weights must stay fp32"
+    assert len(got["buckets"]) > 0 and set(got["buckets"].values()) == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    exported = load_file(out / "model.safetensors")
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}

@@ -10,12 +10,16 @@ run untouched, and the host stash that sleep uses on CUDA frees every storage
 in place and restores it bit for bit; a save killed between its writes and its
 commit leaves the previous checkpoint loadable and the run resumes exactly; a
 checkpoint saved by 2 ranks loads on 1 rank with the same weights and
-resharded optimizer state.
+resharded optimizer state; ``--load`` of a checkpoint folder itself or of a
+folder whose tracker is lost, and a shard corrupted at its right size, raise a
+CheckpointError naming the folder, while a missing or empty ``--load`` (the first
+run of a resumable job) starts at rollout 0.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -300,3 +304,40 @@ def test_checkpoint_of_two_ranks_loads_on_one(hf_dir, killed_save, tmp_path, cap
         torch.testing.assert_close(got["after"][name], weight, **WEIGHT_TOL, msg=name)
     out = capfd.readouterr().out
     assert "saved by 2 ranks and is loaded on 1" in out and "RNG streams re-seeded" in out
+
+
+def job_load_each(rank: int, world: int, hf: str, loads: list[str]) -> list:
+    """``init`` with ``--load L --save L`` for each L: the start rollout, or the error."""
+    from vime.checkpoint import CheckpointError
+
+    results = []
+    for load in loads:
+        try:
+            results.append(_actor(actor_args(hf, world, "--load", load, "--save", load))[1])
+        except CheckpointError as e:
+            results.append(str(e))
+    return results
+
+
+def test_load_refuses_what_is_not_a_resumable_folder(hf_dir, killed_save, tmp_path) -> None:
+    from vime import checkpoint
+
+    ckpt, _ = killed_save
+    iter0 = checkpoint.iteration_dir(ckpt, 0)
+    lost = tmp_path / "tracker_lost"
+    shutil.copytree(iter0, lost / iter0.name)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(iter0, corrupt / iter0.name)
+    (corrupt / checkpoint.TRACKER).write_text("0")
+    shard = sorted((corrupt / iter0.name).glob("*.distcp"))[0]
+    size = shard.stat().st_size
+    shard.write_bytes(bytes((i * 7 + 3) % 251 for i in range(size)))  # right size, wrong bytes
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    loads = [iter0, lost, corrupt, empty, tmp_path / "missing"]
+    got = spawn(job_load_each, 2, tmp_path, hf_dir, [str(x) for x in loads])
+    assert f"--load {iter0} names a checkpoint folder itself" in got[0]
+    assert f"--load {ckpt}" in got[0]
+    assert f"--load {lost} holds iter_0000000 but no {checkpoint.TRACKER}" in got[1]
+    assert f"{corrupt / iter0.name} could not be read" in got[2] and "corrupt" in got[2]
+    assert got[3:] == [0, 0]

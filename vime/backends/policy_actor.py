@@ -131,7 +131,7 @@ class PolicyTrainActor(TrainActor):
 
     def _start_rollout(self) -> int:
         """The rollout id to start from: 0, or the one after ``--load``'s newest checkpoint."""
-        if self.args.load and checkpoint.latest(self.args.load) is not None:
+        if self.args.load and checkpoint.resume_point(self.args.load) is not None:
             return self._load(self.args.load) + 1
         return 0
 
@@ -224,7 +224,10 @@ class PolicyTrainActor(TrainActor):
             # per TP rank); grad norm and lr are global, so each rank adds 1/world of them.
             share = 1.0 / self.world
             metrics.add("loss", step_loss / self.loss_replicas, share)
-            metrics.add("grad_norm", share * (0.0 if result.skipped else result.grad_norm), share)
+            # The mean over the steps taken: a skipped step's norm is not finite and must not
+            # count as a 0 (with every step skipped the metric is absent, not 0).
+            taken = 0.0 if result.skipped else share
+            metrics.add("grad_norm", taken * result.grad_norm if taken else 0.0, taken)
             metrics.add("lr", share * result.lr, share)
         # Per-micro-batch metrics are (sum, weight) pairs, so TP copies cancel in the mean;
         # pipeline stages without the loss have none of them.

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -45,6 +46,9 @@ class FSDP2Actor(PolicyTrainActor):
         if args.hf_checkpoint is None:
             raise ValueError("the fsdp2 backend needs --hf-checkpoint DIR")
         param_dtype = vime_device.resolve_dtype(args.fsdp_param_dtype, self.device)
+        # The checkpoint's own config: its dtype is what engines and --save-hf receive. The
+        # model's config cannot serve, it says float32 (the master weights it was built in).
+        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         self.model = fsdp_model.load_sharded_model(
             args.hf_checkpoint,
             mesh=mesh,
@@ -53,7 +57,7 @@ class FSDP2Actor(PolicyTrainActor):
                 args.attn_implementation,
                 self.device,
                 param_dtype,
-                AutoConfig.from_pretrained(args.hf_checkpoint),
+                self.hf_config,
             ),
             shard_kwargs={
                 "block_classes": args.fsdp_block_classes,
@@ -65,7 +69,6 @@ class FSDP2Actor(PolicyTrainActor):
         )
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.hf_config = self.model.config
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._setup_training(list(self.model.named_parameters()))
         return self._start_rollout()
@@ -130,12 +133,18 @@ class FSDP2Actor(PolicyTrainActor):
         state = self._state()
         try:
             dcp.load(state, checkpoint_id=str(folder))
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
+            # verify() checked every file's size, so what DCP cannot read is corrupt content.
+            reason = _reason(e)
             if saved_world == self.world:
-                raise
+                raise checkpoint.CheckpointError(
+                    f"{folder} could not be read ({reason}): a shard is corrupt though its "
+                    f"size is right; write an earlier rollout id into {load_dir}/"
+                    f"{checkpoint.TRACKER}, or start over from an HF export"
+                ) from e
             raise checkpoint.CheckpointError(
                 f"{folder} was saved by {saved_world} ranks and could not be resharded onto "
-                f"{self.world} ranks ({type(e).__name__}); load it with {saved_world} ranks"
+                f"{self.world} ranks ({reason}); load it with {saved_world} ranks"
             ) from e
         set_model_state_dict(self.model, state["model"])
         if "optim" in state:
@@ -161,6 +170,16 @@ def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _reason(error: BaseException) -> str:
+    """Which rank failed and with what error type. DCP's own message is a list of ranks and
+    full tracebacks, and an unreadable shard's suggests ``weights_only=False``, no fix
+    here; the full chain stays on the raised error's ``__cause__``."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (inner, _trace) = min(error.failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {type(inner).__name__}"
+    return type(error).__name__
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

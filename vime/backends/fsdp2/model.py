@@ -75,14 +75,31 @@ def resolve_attn_implementation(
 
 
 def find_block_classes(model: torch.nn.Module, names: str | None) -> tuple[type, ...]:
-    wanted = set(names.split(",")) if names else set(getattr(model, "_no_split_modules", []) or [])
-    classes = {type(m) for m in model.modules() if type(m).__name__ in wanted}
-    if not classes:
+    """The classes ``fully_shard`` wraps one by one: ``names`` (comma-separated class names,
+    from ``--fsdp-block-classes``), else the model's ``_no_split_modules``.
+
+    Every explicitly named class must exist in the model: a misspelt name next to a valid
+    one would otherwise silently leave that class unwrapped.
+    """
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    declared = sorted(n for n in getattr(model, "_no_split_modules", None) or [] if n in present)
+    if names:
+        wanted = {n.strip() for n in names.split(",") if n.strip()}
+        missing = sorted(wanted - present.keys())
+        if missing:
+            has = ", ".join(declared) if declared else "none declared in _no_split_modules"
+            raise ValueError(
+                f"--fsdp-block-classes names {', '.join(missing)}, not a module class of this "
+                f"model (its decoder blocks: {has})"
+            )
+    else:
+        wanted = set(declared)
+    if not wanted:
         raise ValueError(
-            f"no decoder block class found to shard (looked for {sorted(wanted) or 'nothing'}); "
-            "name them with --fsdp-block-classes"
+            "no decoder block class found to shard (the model declares none in "
+            "_no_split_modules); name them with --fsdp-block-classes"
         )
-    return tuple(classes)
+    return tuple(present[n] for n in sorted(wanted))
 
 
 def shard_model(
@@ -117,11 +134,11 @@ def shard_model(
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    check_every_parameter_sharded(model, mesh.size())
     for module in [*blocks, model]:
         module.set_gradient_divide_factor(1.0)
         # Plain SUM collectives: gloo has no PREMUL_SUM, and factor 1 leaves nothing to scale.
         module.set_force_sum_reduction_for_comms(True)
-    check_every_parameter_sharded(model, mesh.size())
 
 
 def check_every_parameter_sharded(model: torch.nn.Module, world: int) -> None:
@@ -136,6 +153,22 @@ def check_every_parameter_sharded(model: torch.nn.Module, world: int) -> None:
             )
 
 
+def materialize_device(device: torch.device, cpu_offload: bool) -> torch.device:
+    """Where the meta-built shards get their storage: the host under ``--fsdp-cpu-offload``
+    (FSDP2's CPU offload refuses parameters anywhere else), else the rank's device."""
+    return torch.device("cpu") if cpu_offload else device
+
+
+def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move every buffer (not the parameters) to ``device``: CPU offload keeps only the
+    shards on the host; the forward still runs on the device and needs the rotary tables
+    there."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
 def load_sharded_model(
     hf_checkpoint: str,
     *,
@@ -144,7 +177,11 @@ def load_sharded_model(
     attn_implementation: str,
     shard_kwargs: dict[str, Any],
 ) -> torch.nn.Module:
-    """The checkpoint's model in fp32 master weights, sharded over ``mesh``."""
+    """The checkpoint's model in fp32 master weights, sharded over ``mesh``.
+
+    The returned model's ``config`` says float32 (``from_config`` records the dtype it
+    built in); the checkpoint's own dtype is in ``AutoConfig.from_pretrained``.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(hf_checkpoint)
@@ -161,10 +198,15 @@ def load_sharded_model(
             config, dtype=torch.float32, attn_implementation=attn_implementation
         )
     shard_model(model, mesh, **shard_kwargs)
-    model.to_empty(device=device)
+    home = materialize_device(device, bool(shard_kwargs.get("cpu_offload")))
+    model.to_empty(device=home)
+    if home != device:
+        _buffers_to(model, device)
+    # Host tensors: the broadcast moves one tensor at a time to the process group's device,
+    # so rank 0 never holds a second full copy of the model there.
     set_model_state_dict(
         model,
-        {k: v.to(device) for k, v in full_state.items()},
+        full_state,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
     with torch.no_grad():
