@@ -4,7 +4,10 @@ Proves: each estimator against hand-computed numbers and against a brute-force
 per-sample loop over the definition; GRPO/Dr.GRPO/RLOO give *exact* zeros for
 an all-equal group and for a group of one (never NaN); REINFORCE++-baseline
 whitens the whole batch; bad ``n_samples_per_prompt`` and unknown estimators
-raise ValueError with a clear message; the result keeps the input dtype.
+raise ValueError with a clear message; the result keeps the input dtype. With a
+``valid`` mask, left-out samples get 0 and the others get what the definitions
+give for groups holding only the valid samples (whitening over valid samples
+only); an all-true mask changes nothing, bit for bit.
 """
 
 from __future__ import annotations
@@ -136,3 +139,54 @@ def test_unknown_estimator_and_bad_shape_raise():
         compute_advantages(torch.zeros(4), 2, "ppo")
     with pytest.raises(ValueError, match=r"rewards must be 1-D \[N\]; got shape \(2, 2\)"):
         compute_advantages(torch.zeros(2, 2), 2)
+
+
+def _reference_valid(
+    rewards: list[float], valid: list[bool], n: int, estimator: str, eps: float = 1e-6
+) -> list[float]:
+    """The definitions on each group's valid samples alone; 0 for the others."""
+    local = "dr_grpo" if estimator == "reinforce_plus_plus_baseline" else estimator
+    out = [0.0] * len(rewards)
+    for g in range(0, len(rewards), n):
+        kept = [i for i in range(g, g + n) if valid[i]]
+        values = _reference([rewards[i] for i in kept], len(kept), local, eps) if kept else []
+        for i, a in zip(kept, values, strict=True):
+            out[i] = a if len(kept) >= 2 else 0.0
+    if estimator == "reinforce_plus_plus_baseline":
+        xs = [out[i] for i in range(len(out)) if valid[i]]
+        if len(set(xs)) <= 1:
+            return [0.0] * len(out)
+        m, s = _mean(xs), _std(xs)
+        out = [(x - m) / (s + eps) if valid[i] else 0.0 for i, x in enumerate(out)]
+    return out
+
+
+@pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS)
+def test_invalid_samples_leave_their_groups(estimator: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    n, groups = 5, 6
+    rewards = torch.rand(n * groups, generator=gen, dtype=torch.float64)
+    rewards[10:15] = 0.5  # a group whose valid samples agree
+    valid = torch.rand(n * groups, generator=gen) > 0.3
+    valid[20:25] = torch.tensor([True, False, False, False, False])  # one valid: no signal
+    valid[25:30] = True
+    got = compute_advantages(rewards, n, estimator, valid=valid)
+    want = _reference_valid(rewards.tolist(), valid.tolist(), n, estimator)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    assert torch.all(got[~valid] == 0.0)
+    assert torch.all(got[20:25] == 0.0) or estimator == "reinforce_plus_plus_baseline"
+    # Masking is not filling: the scored samples of a group with failures see a smaller group.
+    assert not torch.allclose(got, compute_advantages(rewards, n, estimator))
+
+
+@pytest.mark.parametrize("estimator", ADVANTAGE_ESTIMATORS)
+def test_all_valid_mask_changes_nothing(estimator: str) -> None:
+    rewards = torch.rand(12, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    plain = compute_advantages(rewards, 4, estimator)
+    masked = compute_advantages(rewards, 4, estimator, valid=torch.ones(12, dtype=torch.bool))
+    assert torch.equal(plain, masked)
+
+
+def test_valid_mask_shape_is_checked() -> None:
+    with pytest.raises(ValueError, match="valid must have the shape of rewards"):
+        compute_advantages(torch.zeros(8), 4, valid=torch.ones(4, dtype=torch.bool))

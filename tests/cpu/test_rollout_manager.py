@@ -234,7 +234,7 @@ def test_prompts_running_out_fill_from_dropped_groups(tmp_path, tokenizer) -> No
     assert batch.advantages[N:] == [0.0] * N
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo"])
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
 def test_failed_rewards_are_excluded_from_the_loss(tmp_path, tokenizer, estimator) -> None:
     (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
     script = [["ab", "boom", "x", "slow"], ["ab", "x", "x", "ab"]]
@@ -250,11 +250,13 @@ def test_failed_rewards_are_excluded_from_the_loss(tmp_path, tokenizer, estimato
     assert batch.loss_masks[1] == [0] * 5 and batch.loss_masks[3] == [0] * 5
     assert batch.advantages[1] == 0.0 and batch.advantages[3] == 0.0
     assert all(set(batch.loss_masks[i]) == {1} for i in (0, 2, 4, 5, 6, 7))
-    # Group 0 as grpo sees it: 1, 0.5, 0, 0.5 (failed -> the mean of 1 and 0); its mean is
-    # the scored samples' mean, so dr_grpo gives exactly what it gives without them.
+    # Group 0 is trained as if only its scored samples (1 and 0) had been drawn: a group
+    # of two, whose std is sqrt(0.5) and whose rloo factor is 2/1. Group 1: four scored.
     if estimator == "grpo":
-        g0 = 0.5 / (math.sqrt(0.5 / 3) + 1e-6)
+        g0 = 0.5 / (math.sqrt(0.5) + 1e-6)
         g1 = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    elif estimator == "rloo":
+        g0, g1 = 1.0, 0.5 * 4 / 3
     else:
         g0 = g1 = 0.5
     expected = [g0, 0.0, -g0, 0.0, g1, -g1, -g1, g1]

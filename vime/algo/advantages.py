@@ -27,6 +27,8 @@ def compute_advantages(
     n_samples_per_prompt: int,
     estimator: str = "grpo",
     eps: float = 1e-6,
+    *,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages of ``N`` samples in contiguous groups of ``n = n_samples_per_prompt``.
 
@@ -43,6 +45,13 @@ def compute_advantages(
     group of one) carries no learning signal, so every estimator gives exactly
     0 there rather than a rounding residue or 0/0. Likewise the whitening of
     ``reinforce_plus_plus_baseline`` gives 0 when all xᵢ are equal or N = 1.
+
+    ``valid`` (``[N]`` bool, optional) leaves samples out, e.g. those whose reward
+    failed: each such sample gets exactly 0, and every other sample gets what it
+    would get if its group held only the valid samples (n becomes the group's
+    valid count n_g in σ_g and in rloo's factor; the whitening of
+    ``reinforce_plus_plus_baseline`` runs over the valid samples only). A group
+    with fewer than two valid samples carries no signal: zeros.
 
     Computed in float64; returned in the dtype of ``rewards`` (the default
     float dtype if ``rewards`` is an integer or bool tensor).
@@ -63,6 +72,14 @@ def compute_advantages(
             "rewards must hold whole groups of contiguous samples per prompt"
         )
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    if valid is not None:
+        if valid.shape != rewards.shape:
+            raise ValueError(
+                f"valid must have the shape of rewards {tuple(rewards.shape)}; "
+                f"got {tuple(valid.shape)}"
+            )
+        if not bool(valid.all()):
+            return _without_invalid(rewards, n, estimator, eps, valid.bool()).to(out_dtype)
 
     groups = rewards.detach().to(torch.float64).view(-1, n)
     # A group with max == min gets exact zeros below; the rounding of a float
@@ -90,3 +107,31 @@ def compute_advantages(
 
     adv = torch.where(flat, torch.zeros_like(adv), adv)
     return adv.flatten().to(out_dtype)
+
+
+def _without_invalid(
+    rewards: torch.Tensor, n: int, estimator: str, eps: float, valid: torch.Tensor
+) -> torch.Tensor:
+    """``compute_advantages`` with the samples ``~valid`` taken out of their groups.
+
+    Each group's valid samples go through the unmasked estimator as a group of
+    their own, so their advantages are bit for bit those of that smaller group;
+    ``reinforce_plus_plus_baseline`` centres per group the same way (its
+    ``dr_grpo`` step) and whitens over the valid samples of the whole batch.
+    """
+    values = rewards.detach().to(torch.float64).view(-1, n)
+    keep = valid.view(-1, n)
+    out = torch.zeros_like(values)
+    per_group = "dr_grpo" if estimator == "reinforce_plus_plus_baseline" else estimator
+    for g in range(values.shape[0]):
+        if int(keep[g].sum()) >= 2:
+            kept = values[g][keep[g]]
+            out[g, keep[g]] = compute_advantages(kept, kept.numel(), per_group, eps)
+    out = out.flatten()
+    if estimator == "reinforce_plus_plus_baseline":
+        x = out[valid]
+        if x.numel() > 1 and bool(x.amax() != x.amin()):
+            out[valid] = (x - x.mean()) / (x.std(correction=1) + eps)
+        else:
+            out.zero_()
+    return out

@@ -10,12 +10,13 @@ training backends consume. It also scores held-out prompts for evaluation.
 A sample whose reward failed stays in the batch (so the batch keeps its shape)
 with an all-zero loss mask and advantage 0: it adds nothing to the gradient and
 is counted in ``rollout/reward_failures`` (over every sample scored in the
-rollout, filtered groups included). For the advantages of the others it counts
-as a sample that scored its group's mean over the rewards that did not fail:
-the group mean, and so every ``r - mean`` (``dr_grpo``), is what it would be
-without it, but an estimator that also divides by the group's spread or size
-(``grpo``, ``rloo``) sees n samples, not the ones that scored. A group with fewer
-than two rewards that did not fail carries no signal and counts as agreeing.
+rollout, filtered groups included). The advantages of the others are what they
+would be if the failed samples had never been drawn: the built-in estimators get
+a ``valid`` mask and compute each group over its scored samples only. A custom
+estimator that takes no ``valid`` keyword sees a failed sample as one that scored
+its group's mean over the rewards that did not fail (so the group mean is right,
+but a spread or a group size is the whole group's). A group with fewer than two
+rewards that did not fail carries no signal and counts as agreeing.
 
 Dynamic sampling (``--dynamic-sampling-filter``): each round draws as many new
 prompts as groups are still missing and drops the groups whose rewards all
@@ -26,6 +27,7 @@ with dropped groups (advantage 0), counted in ``rollout/groups_short``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -91,6 +93,7 @@ class RolloutManager:
             self.advantage_fn = load_function(
                 args.custom_advantage_function_path, expected=compute_advantages
             )
+        self._takes_valid = "valid" in inspect.signature(self.advantage_fn).parameters
 
     # ----- training rollouts ---------------------------------------------------------------
 
@@ -207,11 +210,13 @@ class RolloutManager:
         for group in groups:
             valid = [r for r in group.rewards if r is not None]
             fill = sum(valid) / len(valid) if valid else 0.0
-            # A failed sample gets its group's mean reward: the group mean stays what the
-            # scored samples make it (see the module docstring for what else it changes).
+            # For an estimator without ``valid``: a failed sample gets its group's mean
+            # reward, so the group mean stays what the scored samples make it.
             rewards += [fill if r is None else r for r in group.rewards]
+        scored = torch.tensor([r is not None for g in groups for r in g.rewards])
+        extra = {"valid": scored} if self._takes_valid else {}
         advantages = self.advantage_fn(
-            torch.tensor(rewards, dtype=torch.float64), n, self.args.advantage_estimator
+            torch.tensor(rewards, dtype=torch.float64), n, self.args.advantage_estimator, **extra
         ).tolist()
         tokens, prompt_lengths, masks, logps, advs = [], [], [], [], []
         i = 0
