@@ -152,6 +152,10 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
             ["--weight-sync", "cuda-ipc"],
             ["--weight-sync cuda-ipc needs --colocate and --rollout-num-gpus-per-engine 1"],
         ),
+        (
+            ["--rollout-engine", "hf", "--rollout-num-gpus-per-engine", "2"],
+            ["--rollout-num-gpus-per-engine 2 needs the vllm engine", "runs on one device"],
+        ),
     ],
 )
 def test_bad_input_is_one_line_error(argv: list[str], fragments: list[str]) -> None:
@@ -162,6 +166,18 @@ def test_missing_prompt_data_fails_while_parsing() -> None:
     assert_one_line_error(
         run_cli("--dry-run", "--hf-checkpoint", "."),
         "--prompt-data is required with --hf-checkpoint",
+    )
+
+
+def test_tensor_parallel_engines_without_gpus_fail_while_parsing() -> None:
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("CUDA is available here, so tensor-parallel engines are a valid choice")
+    assert_one_line_error(
+        run_cli("--dry-run", "--rollout-engine", "vllm", "--rollout-num-gpus-per-engine", "2"),
+        "--rollout-num-gpus-per-engine 2 spreads each engine over GPUs, and none is visible here",
     )
 
 

@@ -10,6 +10,7 @@ before the configuration is frozen.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import Any
 
@@ -126,6 +127,8 @@ def rollout_device_count(args: Any) -> int:
 def _check_placement(args: argparse.Namespace) -> None:
     """The device layout, checked before Ray starts."""
     rollout_device_count(args)
+    if args.rollout_num_gpus_per_engine > 1:
+        _check_tensor_parallel_engines(args)
     if args.weight_sync == "cuda-ipc":
         if not args.colocate or args.rollout_num_gpus_per_engine != 1:
             raise ConfigError(
@@ -139,6 +142,27 @@ def _check_placement(args: argparse.Namespace) -> None:
                 "--weight-sync cuda-ipc needs CUDA GPUs, and none is visible here; "
                 "use --weight-sync auto"
             )
+
+
+def _check_tensor_parallel_engines(args: argparse.Namespace) -> None:
+    """Several devices per engine is vLLM's tensor parallelism over GPUs: the transformers
+    engine runs on one device, and vLLM's CPU build gets no GPUs to spread over."""
+    flag = f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}"
+    engine = args.rollout_engine
+    if engine == "auto":
+        engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    if engine == "hf":
+        raise ConfigError(
+            f"{flag} needs the vllm engine (tensor parallel); the hf engine runs on one "
+            "device: use --rollout-num-gpus-per-engine 1, or install vllm"
+        )
+    from vime import device  # imports torch: only paid when the flag asks for it
+
+    if not device.cuda_available():
+        raise ConfigError(
+            f"{flag} spreads each engine over GPUs, and none is visible here; "
+            "use --rollout-num-gpus-per-engine 1"
+        )
 
 
 def _check_batches(args: argparse.Namespace) -> None:
