@@ -1,4 +1,4 @@
-"""Placement rules of the fsdp2 backend (one test on a real 2-rank gloo group).
+"""Placement and loading rules of the fsdp2 backend (one real 2-rank gloo job).
 
 Proves that decoder blocks are found from ``_no_split_modules`` or named
 explicitly, that a model with no recognisable block fails instead of silently
@@ -10,10 +10,15 @@ left out, sharding fails on the embeddings); that ``--fsdp-cpu-offload``
 materializes the shards on the host and only the buffers on the device; and that
 ``auto`` attention is vime's per-sample ``varlen_sdpa`` without flash-attention
 (registered with transformers, so a model builds with it), ``sdpa`` for a model
-with sliding-window layers, and an explicit choice is kept.
+with sliding-window layers, and an explicit choice is kept; and that only rank 0
+reads the checkpoint's weights (rank 1, given a folder with no weight file, builds on
+the meta device and receives its shards), which arrive as fp32 master weights from a
+bf16 checkpoint, with rank 0's non-persistent buffers.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -89,8 +94,10 @@ def test_auto_attention_without_flash_attention() -> None:
     assert resolve_attn_implementation("sdpa", cpu, fp32, tiny_qwen3_config()) == "sdpa"
 
 
-def _job_shard_without_root_group(rank: int, world: int) -> dict:
-    """``shard_model`` twice on 2 ranks: as is, then with its root ``fully_shard`` skipped."""
+def _job_shard_and_load(rank: int, world: int, weights_dir: str, config_dir: str) -> dict:
+    """On 2 ranks: ``shard_model`` as is, then with its root ``fully_shard`` skipped; then
+    ``load_sharded_model`` with rank 0 given the checkpoint and rank 1 a copy of its
+    ``config.json`` alone. Every rank's local shards and buffers, gathered to rank 0."""
     import torch.distributed as dist
 
     from vime.backends.fsdp2 import model as fsdp_model
@@ -112,16 +119,66 @@ def _job_shard_without_root_group(rank: int, world: int) -> dict:
         return module if module is model else real(module, **kw)
 
     fsdp_model.fully_shard = blocks_only
+    error = None
     try:
         fsdp_model.shard_model(model, mesh, **kwargs)
     except RuntimeError as e:
-        return {"error": str(e)}
+        error = str(e)
     finally:
         fsdp_model.fully_shard = real
-    return {"error": None}
+
+    loaded = fsdp_model.load_sharded_model(
+        weights_dir if rank == 0 else config_dir,
+        mesh=mesh,
+        device=torch.device("cpu"),
+        attn_implementation="sdpa",
+        shard_kwargs=kwargs,
+    )
+    mine = {
+        "locals": {n: p.to_local().clone() for n, p in loaded.named_parameters()},
+        "buffers": {n: b.clone() for n, b in loaded.named_buffers()},
+    }
+    ranks = [None] * world
+    dist.all_gather_object(ranks, mine)
+    return {"error": error, "ranks": ranks}
 
 
-def test_shard_model_fails_fast_without_a_root_group(tmp_path) -> None:
-    got = spawn(_job_shard_without_root_group, 2, tmp_path)
-    assert got["error"] is not None, "sharding with no root group went through"
-    assert "model.embed_tokens.weight is outside every fully_shard group" in got["error"]
+@pytest.fixture(scope="module")
+def shard_and_load(tmp_path_factory) -> dict:
+    """A bf16 checkpoint, and a folder holding only its ``config.json``."""
+    tmp = tmp_path_factory.mktemp("load")
+    torch.manual_seed(3)
+    Qwen3ForCausalLM(tiny_qwen3_config()).to(torch.bfloat16).save_pretrained(tmp / "weights")
+    (tmp / "config_only").mkdir()
+    shutil.copy(tmp / "weights" / "config.json", tmp / "config_only" / "config.json")
+    got = spawn(_job_shard_and_load, 2, tmp, str(tmp / "weights"), str(tmp / "config_only"))
+    return {"dir": tmp, **got}
+
+
+def test_shard_model_fails_fast_without_a_root_group(shard_and_load) -> None:
+    assert shard_and_load["error"] is not None, "sharding with no root group went through"
+    assert "model.embed_tokens.weight is outside every fully_shard group" in shard_and_load["error"]
+
+
+def test_only_rank_0_reads_the_checkpoint(shard_and_load) -> None:
+    """Rank 1 loads from a folder with no weight file (reading one there would fail, as
+    transformers does below), yet both ranks end with their half of every checkpoint tensor,
+    upcast exactly to fp32 master weights, and with rank 0's buffers (the rotary tables)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tmp = shard_and_load["dir"]
+    with pytest.raises(OSError):
+        AutoModelForCausalLM.from_pretrained(tmp / "config_only")
+    saved = load_file(tmp / "weights" / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    ranks = shard_and_load["ranks"]
+    for rank, got in enumerate(ranks):
+        assert saved.keys() <= got["locals"].keys()
+        for name, tensor in saved.items():
+            local = got["locals"][name]
+            assert local.dtype == torch.float32, (rank, name)
+            assert torch.equal(local, tensor.float().chunk(2)[rank]), (rank, name)
+    assert ranks[0]["buffers"].keys() == ranks[1]["buffers"].keys() != set()
+    for name, buf in ranks[0]["buffers"].items():
+        assert torch.equal(ranks[1]["buffers"][name], buf), name

@@ -1,19 +1,27 @@
-"""fsdp2 placement modes, memory sleep and checkpoint robustness on real gloo process groups.
+"""fsdp2 placement modes, precision, memory sleep and checkpoint robustness on real gloo groups.
 
 Proves, with two CPU processes and a tiny random Qwen3: ``--fsdp-mode hybrid``
-(2 replicas of 1 shard), ``no_shard``, ``--gradient-checkpointing`` and
-``--fsdp-cpu-offload`` (on CPU the same code path, unpinned) give the step-0
-gradient and the weights after a rollout of ``full`` mode, while their
-parameters really are laid out as the mode says and checkpointing really
-recomputes every decoder block in backward; ``sleep``/``wake_up`` leave a CPU
-run untouched, and the host stash that sleep uses on CUDA frees every storage
-in place and restores it bit for bit; a save killed between its writes and its
-commit leaves the previous checkpoint loadable and the run resumes exactly; a
-checkpoint saved by 2 ranks loads on 1 rank with the same weights and
-resharded optimizer state; ``--load`` of a checkpoint folder itself or of a
-folder whose tracker is lost, and a shard corrupted at its right size, raise a
-CheckpointError naming the folder, while a missing or empty ``--load`` (the first
-run of a resumable job) starts at rollout 0.
+(2 replicas of 1 shard), ``no_shard``, ``--gradient-checkpointing``,
+``--fsdp-cpu-offload`` (on CPU the same code path, unpinned) and
+``--no-fsdp-reshard-after-forward`` give the step-0 gradient and the weights
+after a rollout of ``full`` mode, while their parameters really are laid out as
+the mode says, checkpointing really recomputes every decoder block in backward,
+and without resharding the blocks stay gathered after the forward yet a second
+rollout (reference no longer the actor) still trains what ``full`` does; on four
+processes, hybrid with shard size 2 splits every tensor within each group,
+replicates it across the two, and updates as ``full`` does;
+``--fsdp-param-dtype bfloat16`` computes in bf16 (weights in use, activations,
+log-probs within bf16 precision of fp32) over fp32 shards, gradients and AdamW
+moments, and ``--fsdp-reduce-dtype`` is the dtype the gradients are summed in;
+``sleep``/``wake_up`` leave a CPU run untouched, and the host stash that sleep
+uses on CUDA frees every storage in place and restores it bit for bit; a save
+killed between its writes and its commit leaves the previous checkpoint
+loadable and the run resumes exactly; a checkpoint saved by 2 ranks loads on 1
+rank with the same weights and resharded optimizer state; ``--load`` of a
+checkpoint folder itself or of a folder whose tracker is lost, and a shard
+corrupted at its right size, raise a CheckpointError naming the folder, while a
+missing or empty ``--load`` (the first run of a resumable job) starts at
+rollout 0.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import pytest
 import torch
 from actor_harness import VOCAB, actor_args, make_batch, spawn
 from tiny_models import save_tiny, tiny_qwen3_config
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.multiprocessing.spawn import ProcessException
 
 from vime.data.batch import schedule
@@ -39,7 +47,11 @@ MODES = {
     "no_shard": ("--fsdp-mode", "no_shard"),
     "grad_ckpt": ("--gradient-checkpointing",),
     "cpu_offload": ("--fsdp-cpu-offload",),
+    "no_reshard": ("--no-fsdp-reshard-after-forward",),
+    "bf16": ("--fsdp-param-dtype", "bfloat16"),
+    "bf16_reduce": ("--fsdp-param-dtype", "bfloat16", "--fsdp-reduce-dtype", "bfloat16"),
 }
+HYBRID4 = ("--fsdp-mode", "hybrid", "--fsdp-shard-size", "2")
 # As in the dp=1 vs dp=2 tests: fp32 up to summation order; AdamW's 1/sqrt(v) can turn a
 # 1e-7 gradient difference on a tiny-gradient weight into ~1e-6 of a 1e-3 step.
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -82,30 +94,54 @@ def _layout(actor) -> dict[str, dict]:
     return out
 
 
-def _step0_grads_and_decoder_calls(actor, sched) -> tuple[dict[str, torch.Tensor], float]:
-    """The step-0 gradient (full tensors), and how often decoder blocks started a forward
-    during that forward+backward: twice per block with recomputation, else once.
+def _step0(actor, sched) -> dict:
+    """The step-0 gradient (full tensors), the reference log-probs, and what the forward of
+    that step saw: how often decoder blocks started a forward during forward+backward
+    (twice per block with recomputation, else once), the dtype layer 0's q_proj weight and
+    output had, and whether layer 0 was sharded again once the whole model's forward ended.
 
-    A pre-hook, because checkpoint's recomputation stops as soon as it has rebuilt the
+    A pre-hook counts, because checkpoint's recomputation stops as soon as it has rebuilt the
     saved tensors backward needs, so a block's forward post-hook never fires there.
     """
     from vime.algo.metrics import MetricAccumulator
 
     ref = actor.compute_log_probs(sched, "ref")
     calls = [0]
+    seen: dict = {}
+    blocks = list(actor.model.model.layers)
+    q_proj = blocks[0].self_attn.q_proj
 
     def count(*_):
         calls[0] += 1
 
-    blocks = list(actor.model.model.layers)
+    def first_output(_module, _inputs, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        seen.setdefault("activation", hidden.dtype)
+
+    def weight_in_use(module, _inputs):
+        seen.setdefault("unsharded", module.weight.dtype)
+
+    def after_forward(*_):
+        seen["resharded"] = isinstance(q_proj.weight, DTensor)
+
     hooks = [b.register_forward_pre_hook(count) for b in blocks]
+    hooks.append(blocks[0].register_forward_hook(first_output))
+    hooks.append(q_proj.register_forward_pre_hook(weight_in_use))
+    hooks.append(actor.model.register_forward_hook(after_forward))
     actor.backward_step(sched, 0, MetricAccumulator(), ref=ref)
     for h in hooks:
         h.remove()
     grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+    seen["grad"] = {p.grad.dtype for p in actor.params}
     actor.optimizer.zero_grad(set_to_none=True)
     micro_batches = len(list(sched.plan.steps[0].for_rank(actor.dp_rank)))
-    return grads, calls[0] / (len(blocks) * micro_batches)
+    return {
+        "grads": grads,
+        "ref_logp": ref,
+        "micro_batches": micro_batches,
+        "calls_per_block": calls[0] / (len(blocks) * micro_batches),
+        "dtypes": seen,
+    }
 
 
 def job_modes(rank: int, world: int, hf: str) -> dict:
@@ -113,18 +149,50 @@ def job_modes(rank: int, world: int, hf: str) -> dict:
     actors = {}
     for mode, extra in MODES.items():
         actor, _ = _actor(actor_args(hf, world, *extra))
-        grads, calls = _step0_grads_and_decoder_calls(actor, _sched(0, world))
+        got = _step0(actor, _sched(0, world))
         actor.train(_sched(0, world))
-        results[mode] = {
-            "grads": grads,
-            "calls_per_block": calls,
-            "checkpointing": actor.model.is_gradient_checkpointing,
-            "layout": _layout(actor),
-            "weights": _full_weights(actor),
-        }
+        got.update(
+            checkpointing=actor.model.is_gradient_checkpointing,
+            layout=_layout(actor),
+            weights=_full_weights(actor),
+            master=_master_dtypes(actor),
+        )
+        if mode == "no_reshard":
+            # From rollout 1 on the reference differs from the actor: what a forward leaves
+            # gathered must not be what the next forward computes with.
+            actor.train(_sched(1, world))
+            got["weights_after_1"] = _full_weights(actor)
+        results[mode] = got
         actors[mode] = actor
     results["sleep"] = _sleep_then_continue(actors["full"], actor_args(hf, world), world)
     return results
+
+
+def _master_dtypes(actor) -> set[torch.dtype]:
+    """The dtypes of the sharded parameters and of every AdamW moment (the master state)."""
+    dtypes = {p.dtype for p in actor.params} | {p.to_local().dtype for p in actor.params}
+    for state in actor.optimizer.state.values():
+        dtypes |= {v.dtype for k, v in state.items() if k != "step"}
+    return dtypes
+
+
+def job_hybrid4(rank: int, world: int, hf: str) -> dict:
+    """``--fsdp-mode hybrid --fsdp-shard-size 2`` on 4 ranks: rank 0's step-0 gradient,
+    layout and weights after a rollout, and every rank's mesh coordinates and local shards."""
+    import torch.distributed as dist
+
+    actor, _ = _actor(actor_args(hf, world, *HYBRID4))
+    got = _step0(actor, _sched(0, world))
+    actor.train(_sched(0, world))
+    got.update(layout=_layout(actor), weights=_full_weights(actor))
+    mesh = actor.params[0].device_mesh
+    mine = {
+        "at": (mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")),
+        "locals": {n: p.to_local().clone() for n, p in actor.model.named_parameters()},
+    }
+    got["ranks"] = [None] * world
+    dist.all_gather_object(got["ranks"], mine)
+    return got
 
 
 def _state_tensors(actor) -> list[torch.Tensor]:
@@ -209,7 +277,7 @@ def modes(hf_dir, tmp_path_factory) -> dict:
     return spawn(job_modes, 2, tmp_path_factory.mktemp("modes"), hf_dir)
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "no_shard", "grad_ckpt", "cpu_offload"])
+@pytest.mark.parametrize("mode", ["hybrid", "no_shard", "grad_ckpt", "cpu_offload", "no_reshard"])
 def test_mode_gives_the_full_mode_gradient_and_update(modes, mode) -> None:
     """Same non-zero step-0 gradient and same weights after a rollout as ``full``."""
     full, other = modes["full"], modes[mode]
@@ -234,6 +302,79 @@ def test_parameters_are_laid_out_as_the_mode_says(modes) -> None:
             assert got["placements"] == (Replicate(), Shard(0)), (mode, name)
             assert got["local"] == got["global"], (mode, name)  # a whole replica per rank
         assert modes["cpu_offload"]["layout"][name] == full, name
+
+
+@pytest.fixture(scope="module")
+def hybrid4(hf_dir, tmp_path_factory) -> dict:
+    return spawn(job_hybrid4, 4, tmp_path_factory.mktemp("hybrid4"), hf_dir)
+
+
+def test_hybrid_shards_within_groups_and_replicates_across(modes, hybrid4) -> None:
+    """4 ranks as 2 replicas of a 2-way shard: each rank holds half of dim 0, the two ranks
+    of a group hold the two halves, the same half is bitwise the same in both replicas, and
+    the step-0 gradient and the update equal ``full`` mode's on 2 ranks."""
+    assert sorted(r["at"] for r in hybrid4["ranks"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    by_at = {r["at"]: r["locals"] for r in hybrid4["ranks"]}
+    for name, got in hybrid4["layout"].items():
+        assert got["mesh"] == (2, 2) and got["dims"] == ("replicate", "shard"), name
+        assert got["placements"] == (Replicate(), Shard(0)), name
+        assert got["local"][0] == (got["global"][0] + 1) // 2 < got["global"][0], name
+        for replica in (0, 1):
+            halves = [by_at[(replica, shard)][name] for shard in (0, 1)]
+            assert torch.equal(torch.cat(halves), hybrid4["weights"][name]), (replica, name)
+        for shard in (0, 1):
+            assert torch.equal(by_at[(0, shard)][name], by_at[(1, shard)][name]), (shard, name)
+    for name, grad in modes["full"]["grads"].items():
+        torch.testing.assert_close(hybrid4["grads"][name], grad, **GRAD_TOL, msg=name)
+    for name, weight in modes["full"]["weights"].items():
+        torch.testing.assert_close(hybrid4["weights"][name], weight, **WEIGHT_TOL, msg=name)
+
+
+def test_no_reshard_after_forward_keeps_blocks_gathered(modes) -> None:
+    """The flag reaches ``fully_shard``: after the forward, layer 0 still holds its gathered
+    weights (``full`` has them sharded again); and the copies a log-prob forward leaves
+    gathered are not what trains: two rollouts, the reference differing from the actor in
+    the second, end where ``full`` mode does (the gradient check is above)."""
+    assert modes["full"]["dtypes"]["resharded"] is True
+    assert modes["no_reshard"]["dtypes"]["resharded"] is False
+    for name, weight in modes["sleep"]["twin"].items():  # full mode after rollouts 0 and 1
+        got = modes["no_reshard"]["weights_after_1"][name]
+        torch.testing.assert_close(got, weight, **WEIGHT_TOL, msg=name)
+
+
+def _bf16_representable(grads: dict[str, torch.Tensor]) -> float:
+    """The fraction of gradient elements that a bf16 number holds exactly."""
+    exact = sum(int((g.to(torch.bfloat16).float() == g).sum()) for g in grads.values())
+    return exact / sum(g.numel() for g in grads.values())
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16_reduce"])
+def test_bf16_param_dtype_computes_in_bf16_over_fp32_masters(modes, mode) -> None:
+    """``--fsdp-param-dtype bfloat16``: the gathered weights and the activations are bf16,
+    while the shards, their gradients and the AdamW moments stay fp32. The log-probs move
+    off fp32's by a bf16-sized amount (more than fp32 summation noise, less than bf16's
+    spacing of 2**-5 at |log p| ~ 4 for a 64-token vocabulary), and the gradient stays
+    fp32's up to a few bf16 roundings (relative precision 2**-8) per layer."""
+    full, got = modes["full"], modes[mode]
+    assert full["dtypes"]["unsharded"] == full["dtypes"]["activation"] == torch.float32
+    assert got["dtypes"]["unsharded"] == got["dtypes"]["activation"] == torch.bfloat16
+    assert got["dtypes"]["grad"] == {torch.float32}
+    assert got["master"] == {torch.float32}, "a master weight or moment is not fp32"
+    diff = max(float((got["ref_logp"][i] - lp).abs().max()) for i, lp in full["ref_logp"].items())
+    assert 1e-4 < diff < 2**-5, diff
+    assert min(float(lp.min()) for lp in full["ref_logp"].values()) > -8  # |log p| < 8
+    err = sum(float((got["grads"][n] - g).square().sum()) for n, g in full["grads"].items())
+    norm = sum(float(g.square().sum()) for g in full["grads"].values())
+    assert 1e-4 < (err / norm) ** 0.5 < 0.05, (err / norm) ** 0.5
+
+
+def test_reduce_dtype_is_the_dtype_gradients_are_summed_in(modes) -> None:
+    """One micro-batch per rank, so each shard's gradient is a single reduce-scatter's sum
+    of 2 ranks' bf16 gradients: summed in bf16 (``--fsdp-reduce-dtype bfloat16``) every
+    element is a bf16 number; summed in fp32 (the default) many are not."""
+    assert modes["bf16"]["micro_batches"] == modes["bf16_reduce"]["micro_batches"] == 1
+    assert _bf16_representable(modes["bf16_reduce"]["grads"]) == 1.0
+    assert _bf16_representable(modes["bf16"]["grads"]) < 0.9
 
 
 def test_gradient_checkpointing_recomputes_blocks(modes) -> None:
