@@ -152,8 +152,10 @@ class PolicyTrainActor(TrainActor):
         self, logits: torch.Tensor, packed: Any, *, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token response log-probs (and entropy) of a packed micro-batch's logits."""
+        # No .float() here: response_log_probs upcasts only the response rows it picks,
+        # never a whole [L, V] row of bf16 logits.
         return response_log_probs(
-            logits.float(),
+            logits,
             packed,
             temperature=self.args.rollout_temperature,
             with_entropy=with_entropy,

@@ -21,7 +21,7 @@ own position run, so under causal attention it cannot affect any sample.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -153,12 +153,27 @@ def pack_micro_batch(
     )
 
 
+TokenStats = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def full_vocab_token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log softmax(logits)[target], entropy or None)`` per row of ``[N, V]`` logits
+    holding the whole vocabulary. gather − logsumexp avoids a full ``[N, V]`` log-softmax."""
+    token_logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(
+        logits, dim=-1
+    )
+    return token_logp, entropy_from_logits(logits) if with_entropy else None
+
+
 def response_log_probs(
     logits: torch.Tensor,
     batch: PackedBatch,
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    token_stats: TokenStats = full_vocab_token_stats,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-sample response log-probs ``[B, T]`` (and entropies) from a packed row's logits.
 
@@ -172,6 +187,11 @@ def response_log_probs(
     logits are gathered (``[N, V]``, upcast to float32 if lower precision)
     before any softmax. Differentiable w.r.t. ``logits``; for an empty batch the
     ``[0, 0]`` outputs still hang off ``logits`` so a backward is valid.
+
+    ``token_stats(picked, targets, with_entropy)`` turns the gathered, tempered
+    ``[N, V]`` logits into per-token log-probs and entropies; a backend whose
+    logits are split over the vocabulary (megatron's tensor parallelism) passes
+    one that reduces across its shards, V then being this rank's shard.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -191,12 +211,10 @@ def response_log_probs(
     picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
     if temperature != 1.0:
         picked = picked / temperature
-    targets = batch.input_ids[0, token_pos].unsqueeze(-1)
-    # gather − logsumexp avoids materializing a full [N, V] log-softmax.
-    token_logp = picked.gather(-1, targets).squeeze(-1) - torch.logsumexp(picked, dim=-1)
+    targets = batch.input_ids[0, token_pos]
+    token_logp, entropy = token_stats(picked, targets, with_entropy)
     shape = tuple(batch.loss_mask.shape)
     log_probs = picked.new_zeros(shape).index_put((sample, step), token_logp)
-    if not with_entropy:
+    if entropy is None:
         return log_probs, None
-    entropy = entropy_from_logits(picked)
     return log_probs, entropy.new_zeros(shape).index_put((sample, step), entropy)

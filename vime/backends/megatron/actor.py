@@ -63,9 +63,11 @@ from vime.backends.megatron import convert, pipeline
 from vime.backends.megatron import model as mmodel
 from vime.backends.megatron.main_params import MainParams
 from vime.backends.megatron.shims import apply_cpu_shims
+from vime.backends.megatron.vocab_parallel import VocabShard
 from vime.backends.optim import StepResult, partition_params
 from vime.backends.policy_actor import MicroBatchFn, PerSample, PolicyTrainActor
 from vime.data.batch import TrainSchedule
+from vime.data.micro_batch import response_log_probs
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 
 
@@ -122,6 +124,9 @@ class MegatronActor(PolicyTrainActor):
         self._init_parallel()
         self.param_dtype = vime_device.resolve_dtype(args.megatron_param_dtype, self.device)
         self.model = self._build_model()
+        vocab = int(self.hf_config.vocab_size)
+        width = convert.padded_vocab_size(vocab, self.tp) // self.tp
+        self.vocab_shard = VocabShard.of_this_rank(width, vocab)
         self._index_params()
         self._setup_training(self._optimizer_share())
         return self._start_rollout()
@@ -251,7 +256,26 @@ class MegatronActor(PolicyTrainActor):
     # ----- backend hooks -------------------------------------------------------------------
 
     def _logits(self, packed: Any) -> torch.Tensor:
-        return mmodel.packed_logits(self.model, packed)
+        return self._loss_logits(mmodel.stage_forward(self.model, packed))
+
+    def _loss_logits(self, output: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits as the loss reads them: the HF vocabulary without
+        tensor parallelism, else this rank's vocabulary shard, never gathered (the
+        reductions over the vocabulary run across the ranks: ``vocab_parallel``)."""
+        return output if self.tp > 1 else output[..., : self.model.hf_vocab_size]
+
+    def _log_probs(
+        self, logits: torch.Tensor, packed: Any, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.tp == 1:
+            return super()._log_probs(logits, packed, with_entropy=with_entropy)
+        return response_log_probs(
+            logits,
+            packed,
+            temperature=self.args.rollout_temperature,
+            with_entropy=with_entropy,
+            token_stats=self.vocab_shard.token_stats,
+        )
 
     def _run_micro_batches(
         self,
@@ -270,8 +294,9 @@ class MegatronActor(PolicyTrainActor):
 
         def last_stage_loss(item: tuple, output: torch.Tensor) -> torch.Tensor:
             indices, packed = item
-            logits = mmodel.full_vocab_logits(self.model, output)
-            logp, entropy = self._log_probs(logits, packed, with_entropy=backward)
+            logp, entropy = self._log_probs(
+                self._loss_logits(output), packed, with_entropy=backward
+            )
             loss = consume(indices, packed, logp, entropy)
             return logp.new_zeros(()) if loss is None else loss
 

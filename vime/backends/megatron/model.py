@@ -2,9 +2,11 @@
 
 Where it fits: the megatron backend's actor builds its model here, loads the
 weights converted by ``convert.hf_to_megatron`` with ``load_megatron_state``, and
-forwards each micro-batch with ``packed_logits``, whose ``[1, L, V]`` logits go
-through the same ``vime.data.micro_batch.response_log_probs`` and ``vime.algo`` loss
-as the fsdp2 backend.
+forwards each micro-batch with ``stage_forward``; its logits go through the same
+``vime.data.micro_batch.response_log_probs`` and ``vime.algo`` loss as the fsdp2
+backend (under tensor parallelism each rank's vocabulary shard, reduced across
+ranks by ``vocab_parallel``; ``packed_logits`` gathers the full vocabulary, for
+tests and tools).
 
 Packed rows (see ``vime.data.micro_batch``) go in megatron-core's THD format:
 ``stage_forward`` passes ``PackedSeqParams`` whose ``cu_seqlens`` cover every position
