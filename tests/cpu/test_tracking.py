@@ -16,6 +16,7 @@ import io
 import json
 import math
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -213,9 +214,19 @@ def test_use_wandb_without_wandb_is_a_config_error(tmp_path: Path, monkeypatch) 
     assert not out_dir.exists()  # nothing half-made left behind
 
 
-def _wandb_run_file(out_dir: Path, run_id: str, index: int) -> bytes:
-    runs = sorted((out_dir / "wandb").glob(f"offline-run-*-{run_id}"))
-    return (runs[index] / f"run-{run_id}.wandb").read_bytes()
+def _wandb_run_file(out_dir: Path, run_id: str, index: int, holding: bytes) -> bytes:
+    """The offline run file, once it holds ``holding`` (or as it is after 30 s).
+
+    ``finish()`` hands the records to W&B's service process, which writes them a moment
+    later: on a busy machine the file was read with only its header in it.
+    """
+    deadline = time.monotonic() + 30.0
+    while True:
+        runs = sorted((out_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+        data = (runs[index] / f"run-{run_id}.wandb").read_bytes() if runs else b""
+        if holding in data or time.monotonic() > deadline:
+            return data
+        time.sleep(0.2)
 
 
 def test_wandb_offline_receives_metrics_and_resume_keeps_the_run(tmp_path, monkeypatch) -> None:
@@ -228,7 +239,7 @@ def test_wandb_offline_receives_metrics_and_resume_keeps_the_run(tmp_path, monke
     tracker.finish()
     run_id = (tmp_path / "wandb_run_id.txt").read_text().strip()
     # The offline run file is W&B's record log: history keys and values appear verbatim.
-    first = _wandb_run_file(tmp_path, run_id, 0)
+    first = _wandb_run_file(tmp_path, run_id, 0, b"0.375")
     assert b"rollout/reward_mean" in first and b"0.125" in first and b"0.375" in first
     assert b"text is not logged" not in first
 
@@ -238,4 +249,4 @@ def test_wandb_offline_receives_metrics_and_resume_keeps_the_run(tmp_path, monke
     resumed.log(2, {"rollout/reward_mean": 0.625})
     resumed.finish()
     assert (tmp_path / "wandb_run_id.txt").read_text().strip() == run_id
-    assert b"0.625" in _wandb_run_file(tmp_path, run_id, -1)
+    assert b"0.625" in _wandb_run_file(tmp_path, run_id, -1, b"0.625")
