@@ -169,12 +169,17 @@ def test_missing_prompt_data_fails_while_parsing() -> None:
     )
 
 
-def test_tensor_parallel_engines_without_gpus_fail_while_parsing() -> None:
+def _skip_where_cuda_is(what: str) -> None:
+    """These refusals are for machines without CUDA; with it, ``what`` is a valid choice."""
     if importlib.util.find_spec("torch") is not None:
         import torch
 
         if torch.cuda.is_available():
-            pytest.skip("CUDA is available here, so tensor-parallel engines are a valid choice")
+            pytest.skip(f"CUDA is available here, so {what} is a valid choice")
+
+
+def test_tensor_parallel_engines_without_gpus_fail_while_parsing() -> None:
+    _skip_where_cuda_is("a tensor-parallel engine")
     assert_one_line_error(
         run_cli("--dry-run", "--rollout-engine", "vllm", "--rollout-num-gpus-per-engine", "2"),
         "--rollout-num-gpus-per-engine 2 spreads each engine over GPUs, and none is visible here",
@@ -182,11 +187,7 @@ def test_tensor_parallel_engines_without_gpus_fail_while_parsing() -> None:
 
 
 def test_cuda_ipc_without_cuda_fails_while_parsing() -> None:
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-
-        if torch.cuda.is_available():
-            pytest.skip("CUDA is available here, so cuda-ipc is a valid choice")
+    _skip_where_cuda_is("cuda-ipc")
     assert_one_line_error(
         run_cli("--dry-run", "--weight-sync", "cuda-ipc", "--colocate"),
         "--weight-sync cuda-ipc needs CUDA GPUs",
