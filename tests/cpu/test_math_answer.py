@@ -66,6 +66,11 @@ def test_different_answers(a: str, b: str) -> None:
     assert not answers_equal(a, b)
 
 
+def test_math_reward_refuses_a_missing_label() -> None:
+    with pytest.raises(ValueError, match="needs a label"):
+        math_reward(r"\boxed{None}", None)
+
+
 def test_math_reward() -> None:
     assert math_reward(r"... so the result is \boxed{\frac{1}{2}}", "0.5") == 1.0
     assert math_reward("I think it is 1,234", 1234) == 1.0  # a numeric label works too

@@ -109,8 +109,11 @@ def math_reward(response: str, label: Any) -> float:
     """1.0 when the final answer of ``response`` equals ``label``, else 0.0.
 
     ``label`` is the answer itself, or a text whose last ``\\boxed{}`` or
-    ``#### answer`` holds it. A response with no answer at all scores 0.0.
+    ``#### answer`` holds it. A response with no answer at all scores 0.0. A None
+    label is a ValueError: there is nothing to compare with (not the text "None").
     """
+    if label is None:
+        raise ValueError("math_reward needs a label to compare the answer with; got None")
     predicted = extract_answer(response)
     if predicted is None:
         return 0.0
