@@ -60,6 +60,22 @@ def default_output_dir(now: datetime | None = None) -> str:
     return os.path.join("runs", stamp)
 
 
+HF_PROGRESS_BARS_VAR = "HF_HUB_DISABLE_PROGRESS_BARS"
+
+
+def quiet_library_progress_bars() -> None:
+    """Keep transformers' and huggingface_hub's progress bars ("Writing model shards",
+    "Loading weights") off a run's console, which is vime's progress line's, in this
+    process and (through the environment Ray passes on) in every actor. A user who wants
+    them sets ``HF_HUB_DISABLE_PROGRESS_BARS=0``."""
+    os.environ.setdefault(HF_PROGRESS_BARS_VAR, "1")
+    if os.environ[HF_PROGRESS_BARS_VAR] == "1":
+        # Already imported modules read the variable at import time: tell them directly.
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl, in file order; unparseable lines are skipped.
 

@@ -31,7 +31,7 @@ from vime.ray.placement import ActorFailure, layout_of, reserve, start_ray
 from vime.ray.train_group import RayTrainGroup
 from vime.rollout.manager import DataExhausted, RolloutManager
 from vime.rollout.rewards import build_reward_scorer, reward_needs_label
-from vime.tracking import Tracker, default_output_dir
+from vime.tracking import Tracker, default_output_dir, quiet_library_progress_bars
 
 EMBEDDED_MODEL_DIR = "embedded_model"
 
@@ -44,6 +44,7 @@ def run(args: Config) -> dict[str, Any]:
     removes the output folder it created, so a failed start leaves nothing behind.
     A rank or engine that fails later leaves its whole report in ``error.log`` there.
     """
+    quiet_library_progress_bars()
     args = args.replace(output_dir=args.output_dir or default_output_dir())
     created = not os.path.exists(args.output_dir)
     try:

@@ -93,6 +93,7 @@ def full_run(tmp_path_factory) -> Path:
         cwd=out,
     )
     (out / "stdout.txt").write_text(result.stdout)
+    (out / "stderr.txt").write_text(result.stderr)
     return out
 
 
@@ -111,6 +112,12 @@ def test_three_rollouts_log_every_metric_and_advance_the_weights(full_run: Path)
         assert row["train/ppo_kl"] == 0.0 and row["train/clipfrac"] == 0.0  # one update
         assert row["train/skipped_steps"] == 0.0 and row["train/grad_norm"] > 0.0
     assert "eval/pass@1" in rows[1]
+
+
+def test_library_progress_bars_stay_off_the_console(full_run: Path) -> None:
+    console = (full_run / "stdout.txt").read_text() + (full_run / "stderr.txt").read_text()
+    assert "rollout 3/3" in console  # vime's own progress line is there
+    assert "Loading weights" not in console and "Writing model shards" not in console
 
 
 def test_auto_engine_is_vllm_where_it_is_installed(full_run: Path) -> None:

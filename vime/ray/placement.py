@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.config.errors import ConfigError
 from vime.config.validate import rollout_device_count
+from vime.tracking import HF_PROGRESS_BARS_VAR
 
 READY_TIMEOUT_S = 120.0
 # How long joining a cluster waits for its GCS port to accept a connection, and then
@@ -80,7 +81,11 @@ def start_ray(address: str | None, min_cpus: int) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     # Workers inherit the driver's environment; Ray's own noise is not the user's business.
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}}
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
+    # Actors on other nodes of a cluster do not inherit the driver's environment.
+    if HF_PROGRESS_BARS_VAR in os.environ:
+        env_vars[HF_PROGRESS_BARS_VAR] = os.environ[HF_PROGRESS_BARS_VAR]
+    env = {"env_vars": env_vars}
     if address:
         _check_reachable(address)
         try:
