@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from tiny_models import LLAMA31_ROPE
 
 from vime.backends.megatron.flags import check_architecture
 from vime.config import ConfigError, parse_args
@@ -221,14 +222,7 @@ def _verdict(config: Any, tp: int) -> str:
         (
             "LlamaConfig",
             {
-                "rope_parameters": {
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192,
-                    "rope_theta": 500000.0,
-                },
+                "rope_parameters": dict(LLAMA31_ROPE),
                 "max_position_embeddings": 16384,
             },
             1,

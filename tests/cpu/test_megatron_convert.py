@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tiny_models import tiny_llama_config, tiny_qwen3_config
+from tiny_models import LLAMA31_ROPE, tiny_llama_config, tiny_qwen3_config
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -50,14 +50,6 @@ GQA = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
 )
-LLAMA31_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-    "rope_theta": 500000.0,
-}
 
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen3": lambda: Qwen3Config(vocab_size=VOCAB, head_dim=32, **GQA),

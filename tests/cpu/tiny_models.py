@@ -15,6 +15,15 @@ SHAPE = dict(
     num_attention_heads=2,
     num_key_value_heads=1,
 )
+# Llama 3.1's RoPE scaling, the one llama3 variant megatron-core reproduces.
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
 
 
 def tiny_qwen3_config(vocab_size: int = 64, *, tie: bool = False) -> Qwen3Config:
