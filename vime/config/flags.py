@@ -445,9 +445,10 @@ def apply_embedded_eval_defaults(args: argparse.Namespace) -> None:
     eval split) would be scored wrongly; a user's own prompt file gets no eval set unless
     ``--eval-prompt-data`` names one.
     """
-    data = args.prompt_data
-    if args.eval_prompt_data is None and data and data.startswith(BUILTIN_DATA_PREFIX):
-        task = data[len(BUILTIN_DATA_PREFIX) :].split(":", 1)[0]
+    from vime.data.prompts import builtin_task_of  # deferred: it imports vime.config
+
+    task = builtin_task_of(args.prompt_data) if args.prompt_data else None
+    if args.eval_prompt_data is None and task:
         args.eval_prompt_data = f"{BUILTIN_DATA_PREFIX}{task}:eval"
     if args.eval_prompt_data is not None and args.eval_interval is None:
         args.eval_interval = EMBEDDED_EVAL_INTERVAL

@@ -86,20 +86,13 @@ def _check_data(args: argparse.Namespace) -> None:
 def _check_builtin(flag: str, spec: str) -> str | None:
     """The task of a ``builtin:<task>[:eval]`` spec (None for a file), checked now so that
     a typo fails before any process starts."""
-    if not spec.startswith(BUILTIN_DATA_PREFIX):
-        return None
-    from vime.data import tasks  # deferred: vime.data.tasks imports vime.config
+    from vime.data.prompts import parse_builtin_spec  # deferred: it imports vime.config
 
-    parts = spec[len(BUILTIN_DATA_PREFIX) :].split(":")
-    if len(parts) > 2 or not parts[0]:
-        raise ConfigError(f"{flag} {spec}: write builtin:<task> or builtin:<task>:eval")
-    if parts[0] not in tasks.TASKS:
-        known = ", ".join(sorted(tasks.TASKS))
-        raise ConfigError(f"{flag} {spec}: unknown built-in task '{parts[0]}'; known: {known}")
-    if len(parts) == 2 and parts[1] not in tasks.SPLITS:
-        splits = ", ".join(tasks.SPLITS)
-        raise ConfigError(f"{flag} {spec}: no split '{parts[1]}'; use one of: {splits}")
-    return parts[0]
+    try:
+        parsed = parse_builtin_spec(spec)
+    except ConfigError as err:
+        raise ConfigError(f"{flag} {spec}: {err}") from None
+    return parsed[0].name if parsed else None
 
 
 def rollout_device_count(args: Any) -> int:

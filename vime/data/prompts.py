@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vime.config.errors import ConfigError
-from vime.data.tasks import get_task
+from vime.data.tasks import SPLITS, Task, get_task
 
 BUILTIN_PREFIX = "builtin:"
 SUPPORTED = ".jsonl, .parquet or builtin:<task>[:eval]"
@@ -81,12 +81,29 @@ def load_prompts(
     return prompts
 
 
-def _load_builtin(spec: str, seed: int) -> list[Prompt]:
+def parse_builtin_spec(spec: str) -> tuple[Task, str] | None:
+    """``(task, split)`` of a ``builtin:<task>[:split]`` spec (split "train" by default),
+    None for a file path; ConfigError naming the known tasks or splits otherwise. Cheap
+    (nothing is generated), so the flags are checked with it before any process starts."""
+    if not spec.startswith(BUILTIN_PREFIX):
+        return None
     parts = spec[len(BUILTIN_PREFIX) :].split(":")
     if len(parts) > 2 or not parts[0]:
-        raise ConfigError(f"prompt data '{spec}': write builtin:<task> or builtin:<task>:eval")
+        raise ConfigError("write builtin:<task> or builtin:<task>:eval")
     task = get_task(parts[0])
     split = parts[1] if len(parts) == 2 else "train"
+    if split not in SPLITS:
+        raise ConfigError(f"no split '{split}'; use one of: {', '.join(SPLITS)}")
+    return task, split
+
+
+def _load_builtin(spec: str, seed: int) -> list[Prompt]:
+    try:
+        parsed = parse_builtin_spec(spec)
+    except ConfigError as err:
+        raise ConfigError(f"prompt data '{spec}': {err}") from None
+    assert parsed is not None  # load_prompts sends only builtin: specs here
+    task, split = parsed
     rows = task.make_examples(split, seed)
     return [
         Prompt(text=row["prompt"], label=row["label"], metadata={"task": task.name}, index=i)
