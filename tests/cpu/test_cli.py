@@ -8,7 +8,8 @@ The same holds, already while parsing (so ``--dry-run`` catches them), for what
 used to fail only once the run started: an engine layout the rollout devices do
 not split into, an unknown built-in task, eval prompts of another task or without
 any, cuda-ipc weight sync without CUDA or colocation, flash-attention without its
-package, and a checkpoint the megatron backend cannot build or split.
+package, and a checkpoint the megatron backend cannot build or split -- the
+embedded default model too, when no --hf-checkpoint is given.
 """
 
 from __future__ import annotations
@@ -226,6 +227,26 @@ def test_megatron_checkpoint_it_cannot_build_fails_while_parsing(
     argv += ["--prompt-data", "builtin:add", "--actor-num-gpus-per-node", "2"]
     result = run_cli(*argv, "--megatron-tensor-parallel-size", "2")
     assert_one_line_error(result, f"{tmp_path}: megatron backend", *fragments)
+
+
+@pytest.mark.parametrize(
+    ("flag", "size", "problem"),
+    [
+        ("--megatron-tensor-parallel-size", 4, "tensor-parallel size 4"),
+        ("--megatron-pipeline-parallel-size", 3, "the model's 4 layers do not split evenly"),
+    ],
+)
+def test_megatron_split_of_the_embedded_default_fails_while_parsing(
+    flag: str, size: int, problem: str
+) -> None:
+    """Without --hf-checkpoint the run trains the embedded default (2 KV heads, 4 layers):
+    a TP size that does not divide its KV heads, or a PP size its layers do not split
+    over, is refused while parsing, not later inside the actor."""
+    argv = ["--dry-run", "--train-backend", "megatron", "--actor-num-gpus-per-node", str(size)]
+    result = run_cli(*argv, flag, str(size))
+    line = assert_one_line_error(result, "the embedded default model", problem)
+    if flag == "--megatron-tensor-parallel-size":
+        assert "must divide the 2 KV heads" in line
 
 
 def test_defaults_validate_and_say_what_runs() -> None:

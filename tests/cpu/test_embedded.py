@@ -5,21 +5,26 @@ special-token ids agree across config, generation config and tokenizer; the
 same seed gives bitwise-identical weights and another seed different ones; the
 character tokenizer round-trips any text over the charset (spaces included)
 one token per character; rewriting is idempotent, a changed spec replaces the
-folder atomically, and a foreign folder is never overwritten.
+folder atomically, and a foreign folder is never overwritten. The light
+``architecture_fields`` (what the megatron flags judge at parse time) agree with
+the written config.json, and the megatron architecture rules give them the same
+verdict as the transformers config the actor loads.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from vime.backends.megatron.flags import check_architecture
 from vime.models import write_embedded_checkpoint
-from vime.models.embedded import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from vime.models.embedded import BOS_ID, EOS_ID, PAD_ID, UNK_ID, architecture_fields
 
 CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 =+"
 
@@ -112,3 +117,24 @@ def test_refuses_a_foreign_folder_and_unknown_size_options(tmp_path: Path) -> No
 def test_size_overrides_take_effect(tmp_path: Path) -> None:
     path = write_embedded_checkpoint(tmp_path / "m", charset="ab", num_hidden_layers=2)
     assert AutoConfig.from_pretrained(path).num_hidden_layers == 2
+
+
+def test_light_architecture_fields_match_the_written_config(folder: str) -> None:
+    """The parse-time stand-in for the default model's config.json is that file's content,
+    and the megatron rules judge both alike for every TP size (so the parser refuses
+    exactly the splits the actor would)."""
+    written = json.loads((Path(folder) / "config.json").read_text())
+    fields = architecture_fields()
+    assert {k: written[k] for k in fields} == fields
+    loaded = AutoConfig.from_pretrained(folder)
+
+    def verdict(config: object, tp: int) -> str:
+        try:
+            check_architecture(config, tp)
+        except ValueError as err:
+            return str(err)
+        return "ok"
+
+    verdicts = [verdict(SimpleNamespace(**fields), tp) for tp in (1, 2, 3, 4)]
+    assert verdicts == [verdict(loaded, tp) for tp in (1, 2, 3, 4)]
+    assert verdicts[:2] == ["ok", "ok"] and "must divide the 2 KV heads" in verdicts[3]

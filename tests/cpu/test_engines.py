@@ -6,18 +6,31 @@ every engine a contiguous chunk, sizes differing by at most one, covering every
 prompt once, and how engine actors are placed: on their own bundles, a whole GPU
 or a colocated share of one, and for tensor-parallel engines no GPU on the actor
 but its bundles named for vLLM's Ray workers (never the training ranks' bundles).
+Also that ``EngineGroup.generate`` samples the same completions for the same seed
+whether one, two or three engines (here in-process HF engines standing in for the
+actors) share the batch.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from tiny_models import save_tiny, tiny_qwen3_config
 
 from vime.ray import engines
-from vime.ray.engines import COLOCATED_GPU_SHARE, _split, engine_actor_spec, resolve_engine
+from vime.ray.engines import (
+    COLOCATED_GPU_SHARE,
+    EngineGroup,
+    _split,
+    engine_actor_spec,
+    resolve_engine,
+)
 from vime.ray.placement import Layout
+from vime.rollout.types import SamplingParams
 
 
 @pytest.mark.parametrize("have_vllm", [True, False])
@@ -83,3 +96,38 @@ def test_cpu_engines_take_no_gpu() -> None:
     spec = engine_actor_spec(layout, 0)
     assert spec.num_gpus == 0 and not spec.capture_child_tasks
     assert "VLLM_RAY_BUNDLE_INDICES" not in spec.env_vars
+
+
+def _in_process_group(engine_list: list) -> EngineGroup:
+    """An ``EngineGroup`` whose actors are engines in this process: ``generate.remote``
+    answers at once, and the answer stands in for its Ray ref (``wait_all`` is patched)."""
+    group = object.__new__(EngineGroup)
+    group.kind = "hf"
+    group.actors = [
+        SimpleNamespace(generate=SimpleNamespace(remote=e.generate)) for e in engine_list
+    ]
+    return group
+
+
+def test_completions_do_not_depend_on_the_number_of_engines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same seed gives token-identical completions from 1, 2 or 3 engines: each chunk
+    is seeded by its whole-batch prompt indices, not by its position within the chunk."""
+    from vime.rollout.hf_engine import HFEngine
+
+    monkeypatch.setattr(engines, "wait_all", lambda refs, what: list(refs))
+    checkpoint = save_tiny(str(tmp_path / "model"), tiny_qwen3_config(vocab_size=48), seed=3)
+    pool = [HFEngine(checkpoint) for _ in range(3)]
+    prompts = [[5, 9, 14], [17], [4, 4, 8, 2], [40, 2, 33]]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=5)
+
+    def tokens(num_engines: int) -> list[list[list[int]]]:
+        out = _in_process_group(pool[:num_engines]).generate(prompts, params)
+        return [[c.response_ids for c in group] for group in out]
+
+    one = tokens(1)
+    assert len(one) == len(prompts) and all(len(g) == 2 for g in one)
+    assert len({tuple(r) for g in one for r in g}) > len(prompts)  # real draws, not greedy
+    assert tokens(2) == one
+    assert tokens(3) == one

@@ -6,7 +6,9 @@ Proves: every sampled token's log-prob equals a teacher-forced forward within
 prompts of different lengths (left padding) whose rows stop at different
 steps; top-k/top-p restrict which tokens are drawn but log-probs stay over the
 full vocabulary; a seed fixes the completions whatever the batch composition
-or ``max_batch_size``; greedy equals argmax decoding; stop tokens and
+or ``max_batch_size``, and a batch generated in two requests, the second naming
+its offset in ``first_prompt_index``, draws exactly the tokens of one request
+(what lets several engines share a batch); greedy equals argmax decoding; stop tokens and
 ``max_new_tokens`` end completions with the right reason; ``update_weights``
 makes the engine serve exactly the new model and advances ``weight_version``,
 and rejects unknown names, wrong shapes and incomplete sets -- also a set sent
@@ -15,6 +17,8 @@ whole by the final call.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -155,6 +159,19 @@ def test_seed_fixes_completions_whatever_the_batching(engine, checkpoint) -> Non
     assert len({tuple(r) for r in responses}) > len(PROMPTS)  # samples of a prompt differ
     other = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=8, seed=12))
     assert [c.response_ids for c in flat(other)] != responses
+
+
+def test_a_split_batch_draws_what_the_whole_batch_draws(engine) -> None:
+    """Seeds follow whole-batch prompt indices: the second part of a split batch, told its
+    offset, samples exactly its prompts' completions of the unsplit batch; without the
+    offset it samples others (so the offset is what makes the two agree)."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=21)
+    whole = engine.generate(PROMPTS, params)
+    head = engine.generate(PROMPTS[:1], params)
+    tail = engine.generate(PROMPTS[1:], dataclasses.replace(params, first_prompt_index=1))
+    assert_same_draws(head + tail, whole)
+    unshifted = engine.generate(PROMPTS[1:], params)
+    assert [c.response_ids for c in flat(unshifted)] != [c.response_ids for c in flat(whole[1:])]
 
 
 @torch.no_grad()

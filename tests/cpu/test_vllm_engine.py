@@ -4,7 +4,9 @@ Proves, on a tiny random fp32 Qwen3 served by the CPU build of vLLM (one engine
 shared by the module): sampled-token log-probs equal ``log_softmax(logits / T)``
 of a transformers fp32 forward (T = 1 and 0.7, 1e-4), so do ``score`` results
 (and scaling for one score leaves later calls at T = 1); seeded draws repeat
-and do not depend on the rest of the batch, other seeds differ; ``n`` samples
+and do not depend on the rest of the batch, nor on the batch being split in two
+requests when the second names its offset in ``first_prompt_index`` (what lets
+several engines share a batch), other seeds differ; ``n`` samples
 per prompt come back in prompt order; with top-k the log-probs are those of the
 renormalised truncated distribution, greedy ones are at T = 1; EOS from the checkpoint config and
 ``stop_token_ids`` end completions (token kept, finish "stop"); ``update_weights``
@@ -22,6 +24,7 @@ Skipped where vLLM is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -156,6 +159,11 @@ def test_seeded_sampling_is_reproducible(setup: SimpleNamespace) -> None:
     assert tokens(PROMPTS, params) == first
     # The same request alone draws the same tokens as inside a larger batch.
     assert tokens(PROMPTS[:1], params) == first[:1]
+    # The rest of the batch, told its offset, draws its prompts' tokens of the whole batch
+    # (engines sharing a batch thereby agree with one engine); without it, other tokens.
+    shifted = dataclasses.replace(params, first_prompt_index=1)
+    assert tokens(PROMPTS[1:], shifted) == first[1:]
+    assert tokens(PROMPTS[1:], params) != first[1:]
     other = tokens(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=12))
     assert other != first
 

@@ -15,6 +15,10 @@ order. Encoding with ``add_special_tokens=True`` (the default) prepends
 model this small; ``add_special_tokens=False`` gives the bare characters.
 Decoding with ``skip_special_tokens=True`` returns exactly the characters,
 spaces included. A character outside the charset encodes as ``<unk>``.
+
+Importing this module is light (torch and transformers load only to build the
+folder), so the flag parser can judge the default model's architecture
+(:func:`architecture_fields`) before any process starts.
 """
 
 from __future__ import annotations
@@ -26,8 +30,6 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
-
-import torch
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))
@@ -113,7 +115,18 @@ def build_config(vocab_size: int, **shape: int) -> Any:
     )
 
 
+def architecture_fields() -> dict[str, Any]:
+    """The architecture fields of the default model's config.json (``build_config`` with
+    :data:`DEFAULT_SHAPE`, as ``vime-train`` writes it), without torch or transformers.
+
+    The vocabulary size is left out: it follows the task's charset, and no architecture
+    rule depends on it.
+    """
+    return {"model_type": "qwen3", "tie_word_embeddings": True, **DEFAULT_SHAPE}
+
+
 def _write(folder: Path, chars: list[str], seed: int, shape: dict[str, int], fp: str) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     charset = "".join(chars)

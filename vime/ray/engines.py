@@ -9,6 +9,7 @@ one engine (``HFEngine`` or ``VLLMEngine``, both meeting
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -212,14 +213,20 @@ class EngineGroup:
         wait_all([a.ready.remote() for a in self.actors], "starting the rollout engines")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """``params.n`` completions per prompt; engine k serves the k-th contiguous chunk."""
+        """``params.n`` completions per prompt; engine k serves the k-th contiguous chunk.
+
+        Each chunk keeps ``params.seed`` and names its offset in
+        ``first_prompt_index``, so every completion is seeded by its whole-batch
+        prompt index: the same seed samples the same completions with any number
+        of engines.
+        """
         chunks = _split(len(prompts), len(self.actors))
         refs = []
         for k, (start, stop) in enumerate(chunks):
             if start == stop:
                 continue
-            seed = None if params.seed is None else params.seed + start
-            chunk_params = SamplingParams(**{**params.__dict__, "seed": seed})
+            first = params.first_prompt_index + start
+            chunk_params = dataclasses.replace(params, first_prompt_index=first)
             refs.append(self.actors[k].generate.remote(prompts[start:stop], chunk_params))
         out: list[list[Completion]] = []
         for part in wait_all(refs, "generating completions"):

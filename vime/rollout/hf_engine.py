@@ -15,10 +15,12 @@ then decodes one token per step for all live rows; finished rows are dropped
 from the batch (and the cache) as they stop.
 
 Reproducibility: every completion draws its uniforms from its own
-``torch.Generator`` seeded by (seed, prompt index, sample index), and samples
-by inverting the CDF of the filtered distribution, so a completion's tokens do
-not depend on which other prompts share its batch or on ``max_batch_size``
-(its log-probs only up to float rounding: BLAS sums depend on the batch shape).
+``torch.Generator`` seeded by (seed, whole-batch prompt index, sample index)
+(``SamplingParams.first_prompt_index``), and samples by inverting the CDF of
+the filtered distribution, so a completion's tokens do not depend on which
+other prompts share its batch, on ``max_batch_size`` or on how a batch was split
+over engines (its log-probs only up to float rounding: BLAS sums depend on the
+batch shape).
 
 Threads: the matmuls here are tiny, so on a busy CPU torch's intra-op threads
 mostly wait for each other; callers that share cores may want
@@ -193,7 +195,9 @@ class HFEngine:
         if not greedy:
             draws = []
             for i, j in rows:
-                gen = torch.Generator().manual_seed(_row_seed(seed, i, j))
+                gen = torch.Generator().manual_seed(
+                    _row_seed(seed, params.first_prompt_index + i, j)
+                )
                 draws.append(torch.rand(max_new, generator=gen))
             uniforms = torch.stack(draws).to(dev)
         stop_ids = torch.tensor(

@@ -21,6 +21,13 @@ class SamplingParams:
     ``n`` completions per prompt; ``top_k=-1`` and ``top_p=1.0`` disable those
     filters; ``temperature=0`` means greedy. ``stop_token_ids`` end a
     completion (the stop token is kept in the response, as EOS is).
+
+    Completion j of the request's prompt i is drawn with a seed derived from
+    ``(seed, first_prompt_index + i, j)`` alone. ``first_prompt_index`` is the
+    index of the request's first prompt in the whole batch (0 when the request
+    is the whole batch): a caller that splits one batch over several engines
+    passes each part's offset, so a completion does not depend on how many
+    engines there are or how the prompts were split between them.
     """
 
     n: int = 1
@@ -30,6 +37,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    first_prompt_index: int = 0
 
 
 @dataclass(frozen=True)

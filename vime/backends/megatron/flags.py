@@ -2,10 +2,11 @@
 
 Where it fits: named by the registry, loaded by the CLI parser only when
 ``--train-backend megatron`` is selected (or to recognise a misplaced flag).
-Argparse and stdlib only: importing this module must not import torch or
-megatron-core. The architecture rules (``check_architecture``) live here, not in
-``convert``, so that one function judges the checkpoint's config.json while the
-flags are parsed and the transformers config again when the actor converts it.
+Argparse, stdlib and the light ``vime.models.embedded`` only: importing this
+module must not import torch or megatron-core. The architecture rules
+(``check_architecture``) live here, not in ``convert``, so that one function
+judges the checkpoint's config.json while the flags are parsed and the
+transformers config again when the actor converts it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from vime.config.errors import ConfigError
+from vime.models.embedded import architecture_fields
+
+# Where a parse-time error says the model came from when no --hf-checkpoint is given.
+EMBEDDED_MODEL = "the embedded default model (no --hf-checkpoint)"
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -220,9 +225,10 @@ def check_architecture(hf_config: Any, tp: int = 1) -> Rope:
 
 def _read_hf_config(hf_checkpoint: str | None) -> dict[str, Any] | None:
     """The checkpoint's config.json as a dict (plain JSON, so parsing stays light); None
-    without a checkpoint or when it cannot be read -- the model loader reports that."""
+    when it cannot be read -- the model loader reports that. Without a checkpoint the run
+    trains the embedded default, so its fields are judged instead."""
     if not hf_checkpoint:
-        return None
+        return architecture_fields()
     with contextlib.suppress(OSError, ValueError):
         config = json.loads((Path(hf_checkpoint) / "config.json").read_text())
         if isinstance(config, dict):
@@ -231,15 +237,16 @@ def _read_hf_config(hf_checkpoint: str | None) -> dict[str, Any] | None:
 
 
 def _check_architecture(args: argparse.Namespace, config: dict[str, Any] | None, tp: int) -> None:
-    """``check_architecture`` on the raw config.json, so an unsupported model or a TP size
-    that does not split it stops the run before any process starts."""
+    """``check_architecture`` on the raw config.json (or the embedded default's fields),
+    so an unsupported model or a TP size that does not split it stops the run before any
+    process starts."""
     # Without model_type the file is no HF config at all: the model loader says so.
     if config is None or "model_type" not in config:
         return
     try:
         check_architecture(SimpleNamespace(**config), tp)
     except ValueError as err:
-        raise ConfigError(f"{args.hf_checkpoint}: {err}") from None
+        raise ConfigError(f"{_model_name(args)}: {err}") from None
     except (AttributeError, TypeError):
         return  # a field the rules need is missing or malformed: the loader's to report
 
@@ -286,7 +293,7 @@ def stage_layer_counts(
 
 def _check_layers(args: argparse.Namespace, pp: int, config: dict[str, Any] | None) -> None:
     """The layers must split over the pipeline stages (``stage_layer_counts``); the
-    layer count is read from the checkpoint's ``config.json``."""
+    layer count is read from the checkpoint's ``config.json`` (or the embedded default's)."""
     first = args.megatron_decoder_first_pipeline_num_layers
     last = args.megatron_decoder_last_pipeline_num_layers
     if pp == 1 and first is None and last is None:
@@ -307,5 +314,9 @@ def _check_layers(args: argparse.Namespace, pp: int, config: dict[str, Any] | No
     try:
         stage_layer_counts(layers, pp, first, last)
     except ValueError as err:
-        where = "" if args_only else f"{args.hf_checkpoint}: "
+        where = "" if args_only else f"{_model_name(args)}: "
         raise ConfigError(f"{where}{err}") from None
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    return args.hf_checkpoint or EMBEDDED_MODEL
