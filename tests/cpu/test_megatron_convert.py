@@ -17,7 +17,7 @@ same logits and parameter gradients.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -111,15 +111,6 @@ def _assert_matches_hf(logits: torch.Tensor, reference: list) -> None:
         torch.testing.assert_close(logits[0, start:end], ref_logits, rtol=0, atol=1e-5)
         r = int(packed.response_lengths[i])
         torch.testing.assert_close(logp[i, :r], ref_logp[:r], rtol=0, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def megatron_world() -> Iterator[None]:
-    """A one-process gloo world with megatron's parallel state (TP=1) around the module."""
-    os.environ["MASTER_PORT"] = str(free_port())
-    mmodel.init_model_parallel(tp=1, seed=1234)
-    yield
-    mmodel.destroy_model_parallel()
 
 
 # ----- conversion --------------------------------------------------------------------------

@@ -8,37 +8,29 @@ with attention dropout trains reproducibly; the attention softmax builds its cau
 mask on the CPU; megatron's grad-norm and clip functions give torch's numbers;
 megatron's 1F1B pipeline schedule runs (its token counter) and gives a plain loop's
 gradient; tied embeddings over two pipeline stages are copied to the last stage on
-the host. Each
+the host; megatron-core's ``DistributedOptimizer`` builds over bf16 CPU parameters
+(its ``device='cuda'`` scalars and CUDA type-name checks), and CPU tensors report
+their own type name again once it is built. Each
 test fails (raises on a CUDA call, or gets different numbers) if its shim stops
 working. Skipped where CUDA exists: the shims are then off by design.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims are off with CUDA")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims are off with CUDA"),
+    pytest.mark.usefixtures("megatron_world"),
+]
 
 from megatron.core import tensor_parallel  # noqa: E402
 
 from vime.backends.megatron import model as mmodel  # noqa: E402
 from vime.backends.megatron import shims  # noqa: E402
-from vime.weights.transports import free_port  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_world() -> Iterator[None]:
-    """A one-process gloo world with megatron's parallel state (TP=1) around the module."""
-    os.environ["MASTER_PORT"] = str(free_port())
-    mmodel.init_model_parallel(tp=1, seed=1234)
-    yield
-    mmodel.destroy_model_parallel()
 
 
 def test_apply_is_idempotent() -> None:
@@ -257,3 +249,31 @@ def test_tied_embeddings_copied_to_the_last_stage(tmp_path) -> None:
     assert got["device"] == "cpu"
     assert first.abs().sum() > 0
     assert torch.equal(first, last)
+
+
+def test_distributed_optimizer_builds_over_cpu_bf16_params() -> None:
+    """Without the optimizer shims ``MixedPrecisionOptimizer.__init__`` raises "Torch not
+    compiled with CUDA enabled" and ``_build_model_and_main_param_groups`` a TypeError."""
+    from types import SimpleNamespace
+
+    from tiny_models import tiny_qwen3_config
+
+    from vime.backends.megatron.convert import transformer_config_from_hf
+    from vime.backends.megatron.distrib_optim import DistributedOptimizer
+
+    config = tiny_qwen3_config(vocab_size=32)
+    tcfg, _ = transformer_config_from_hf(
+        config, params_dtype=torch.bfloat16, calculate_per_token_loss=True
+    )
+    model = mmodel.build_gpt_model(config, tcfg)
+    args = SimpleNamespace(
+        lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
+        adam_eps=1e-8, clip_grad=1.0,
+    )  # fmt: skip
+    optimizer = DistributedOptimizer(model, args, params_dtype=torch.bfloat16)
+    mains = optimizer.main_params
+    assert mains and all(p.dtype == torch.float32 and p.device.type == "cpu" for p in mains)
+    assert sum(p.numel() for p in mains) == sum(p.numel() for p in model.parameters())
+    # The CUDA type names were only for the constructors.
+    assert torch.ones(1).type() == "torch.FloatTensor"
+    assert next(model.parameters()).type() == "torch.BFloat16Tensor"

@@ -74,6 +74,10 @@ class PolicyTrainActor(TrainActor):
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the step's gradient (the same number on every rank)."""
 
+    def _device_buffers(self) -> list[torch.Tensor]:
+        """Further tensors ``sleep`` parks: a backend's own weight or gradient buffers."""
+        return []
+
     def _release_gathered(self) -> None:
         """Free full-weight copies a forward may have left behind (before ``sleep``)."""
 
@@ -104,12 +108,7 @@ class PolicyTrainActor(TrainActor):
     def _setup_training(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
         """AdamW (Megatron's no-decay groups), the LR schedule, the loss and the counters."""
         args = self.args
-        self.optimizer = torch.optim.AdamW(
-            param_groups(named_params, args.weight_decay),
-            lr=args.lr,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps,
-        )
+        self.optimizer = self._make_optimizer(named_params)
         samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
         self.lr_schedule = LRSchedule(
             lr=args.lr,
@@ -128,6 +127,17 @@ class PolicyTrainActor(TrainActor):
         self._stash: HostStash | None = None
         # The reference model is the initial weights, kept as host copies of this rank's shards.
         self.ref_shards = self._host_copies() if args.use_kl_loss else None
+
+    def _make_optimizer(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> Any:
+        """AdamW over ``named_params`` in Megatron's decay groups (a backend may bring its
+        own optimizer: it must offer ``param_groups``, ``step`` and ``state``)."""
+        args = self.args
+        return torch.optim.AdamW(
+            param_groups(named_params, args.weight_decay),
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+        )
 
     def _start_rollout(self) -> int:
         """The rollout id to start from: 0, or the one after ``--load``'s newest checkpoint."""
@@ -328,6 +338,7 @@ class PolicyTrainActor(TrainActor):
         seen = {id(t) for t in tensors}
         tensors += [p for p in self.trained_params if id(p) not in seen]
         tensors += [_storage(p.grad) for p in self.trained_params if p.grad is not None]
+        tensors += self._device_buffers()
         for state in self.optimizer.state.values():
             tensors += [_storage(v) for v in state.values() if isinstance(v, torch.Tensor)]
         self._stash = HostStash(t for t in tensors if vime_device.is_cuda(t.device))

@@ -11,7 +11,8 @@ and the weight source (``vime.weights.buckets``).
 
 Parallelism: tensor parallel (TP) inside megatron-core's layers; data parallel
 (DP) here, by summing each step's gradients over the DP group (the planner's
-global normalizers make that sum the full-batch gradient). Sequence parallel
+global normalizers make that sum the full-batch gradient), or in megatron-core's
+DDP wrapper with the distributed optimizer. Sequence parallel
 (``--megatron-sequence-parallel``) is megatron-core's, with rows padded to a
 multiple of TP and the norms' partial gradients summed over TP here; activation
 recompute is megatron-core's too (``recompute_fields``). Pipeline parallel (PP)
@@ -20,20 +21,17 @@ through megatron-core's 1F1B schedule; only the last stage computes the loss, an
 its log-probs are broadcast to the other stages.
 
 Optimizer: torch ``AdamW`` over the local (TP-sharded) parameters with the same
-decay groups as fsdp2 (megatron-core's optimizer needs CUDA). AdamW is
-elementwise, so sharded AdamW is the same update as unsharded AdamW. With
-``--megatron-use-distributed-optimizer`` the AdamW state is also sharded over the
-DP replicas, by whole parameters (``optim.partition_params``, balanced by size):
-each rank steps only its share -- the gradients are already summed over DP, so it
-is the same update -- and broadcasts it to the other replicas. The moments, two
-fp32 copies of the weights, shrink by the DP size; the gradient all-reduce stays
-(megatron-core's own ``DistributedOptimizer``, which reduce-scatters gradients into
-its DDP wrapper's main-grad buffers, is not used: vime's gradients live in ``.grad``).
+decay groups as fsdp2. AdamW is elementwise, so sharded AdamW is the same update as
+unsharded AdamW. ``--megatron-use-distributed-optimizer`` switches to megatron-core's
+own DDP wrapper and ``DistributedOptimizer`` (``distrib_optim.py``): fp32 gradient
+buffers reduce-scattered over DP, fp32 main weights and moments sharded over DP,
+updated weights all-gathered -- on the CPU too, through ``shims``.
 
 Precision: ``--megatron-param-dtype bfloat16`` (the default on GPU) builds the model
 in bf16 and gives the optimizer fp32 main weights that also hold the gradients
-(``main_params.py``); each step re-rounds the bf16 weights from them. fp32 (the CPU
-default) trains the model's own weights.
+(``main_params.py``, or megatron-core's own with the distributed optimizer); each
+step re-rounds the bf16 weights from them. fp32 (the CPU default) trains the model's
+own weights.
 
 Checkpoints: megatron-core's own ``dist_checkpointing`` (``checkpoint.py``), in
 the folder ``vime.checkpoint`` hands out and commits (``iter_N`` + tracker, written
@@ -43,8 +41,10 @@ layouts (fused QKV per query group, swiglu ``fc1`` halves, vocab padding) -- wit
 the AdamW moments sharded like their parameters and the step as common state. No
 rank gathers full tensors, the checkpoint is megatron-core's own format, and its
 global layout does not depend on the TP size: a load at another TP size is
-megatron-core's re-split, bitwise for every real (non-padding) row. RNG streams are
-restored only when world size and TP size match.
+megatron-core's re-split, bitwise for every real (non-padding) row. The distributed
+optimizer saves its state in megatron-core's ``dp_reshardable`` form instead, which
+loads at another DP size only. RNG streams are restored only when world size and TP
+size match.
 """
 
 from __future__ import annotations
@@ -61,10 +61,11 @@ from vime import device as vime_device
 from vime.backends.megatron import checkpoint as mcheckpoint
 from vime.backends.megatron import convert, pipeline
 from vime.backends.megatron import model as mmodel
+from vime.backends.megatron.distrib_optim import DistributedOptimizer
 from vime.backends.megatron.main_params import MainParams
 from vime.backends.megatron.shims import apply_cpu_shims
 from vime.backends.megatron.vocab_parallel import VocabShard
-from vime.backends.optim import StepResult, partition_params
+from vime.backends.optim import StepResult
 from vime.backends.policy_actor import MicroBatchFn, PerSample, PolicyTrainActor
 from vime.data.batch import TrainSchedule
 from vime.data.micro_batch import response_log_probs
@@ -120,6 +121,7 @@ class MegatronActor(PolicyTrainActor):
         self.loss_replicas = self.tp  # every TP rank of a replica computes the same loss
         # Sequence parallel splits each row's tokens over the TP ranks.
         self.row_multiple = self.tp if args.megatron_sequence_parallel else 1
+        self.distributed = bool(args.megatron_use_distributed_optimizer)
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         self._init_parallel()
         self.param_dtype = vime_device.resolve_dtype(args.megatron_param_dtype, self.device)
@@ -128,7 +130,7 @@ class MegatronActor(PolicyTrainActor):
         width = convert.padded_vocab_size(vocab, self.tp) // self.tp
         self.vocab_shard = VocabShard.of_this_rank(width, vocab)
         self._index_params()
-        self._setup_training(self._optimizer_share())
+        self._setup_training(self.named_params)
         return self._start_rollout()
 
     def _init_parallel(self) -> None:
@@ -176,7 +178,8 @@ class MegatronActor(PolicyTrainActor):
             num_layers_in_last_pipeline_stage=self.stage.last_stage_layers,
             # Packed rows differ in length; vime's loss carries its own normalizers.
             variable_seq_lengths=pipelined,
-            calculate_per_token_loss=pipelined,
+            # Keeps megatron's schedule and DDP wrapper from rescaling vime's loss.
+            calculate_per_token_loss=pipelined or self.distributed,
             # Dense models have no MoE, but megatron-core refuses variable_seq_lengths
             # beside its default (allgather) token dispatcher.
             **({"moe_token_dispatcher_type": "alltoall"} if pipelined else {}),
@@ -209,11 +212,15 @@ class MegatronActor(PolicyTrainActor):
         if missing:
             raise ValueError(f"megatron parameters without an HF counterpart: {missing[:8]}")
         self.maps = {n: by_name[self.stage.global_name(n)] for n, _ in self.named_params}
-        # bf16 weights: the gradients and the optimizer live on fp32 main copies.
+        # bf16 weights: the gradients and the optimizer live on fp32 main copies (the
+        # distributed optimizer keeps its own).
         half = self.param_dtype != torch.float32
-        self.main = MainParams(self.params) if half else None
+        self.main = MainParams(self.params) if half and not self.distributed else None
         self.train_params = self.main.params if self.main else list(self.params)
-        train = dict(zip((n for n, _ in self.named_params), self.train_params, strict=True))
+        # What torch AdamW updates and checkpoints: (name, weight or its fp32 main copy).
+        names = [n for n, _ in self.named_params]
+        self.optimized = list(zip(names, self.train_params, strict=True))
+        train = dict(self.optimized)
         self.embedding_pair = [
             train[n]
             for n, _ in self.named_params
@@ -231,19 +238,10 @@ class MegatronActor(PolicyTrainActor):
             and ("q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))
         ]
 
-    def _optimizer_share(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """The parameters this rank's AdamW updates: all of them, or with
-        ``--megatron-use-distributed-optimizer`` this DP rank's share."""
-        self.param_owner: list[int] | None = None
-        if self.args.megatron_use_distributed_optimizer and self.dp_size > 1:
-            self.param_owner = partition_params([p.numel() for p in self.params], self.dp_size)
-        self.owned = [
-            i
-            for i in range(len(self.params))
-            if self.param_owner is None or self.param_owner[i] == self._dp_rank
-        ]
-        self.optimized = [(self.named_params[i][0], self.train_params[i]) for i in self.owned]
-        return self.optimized
+    def _make_optimizer(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> Any:
+        if self.distributed:
+            return DistributedOptimizer(self.model, self.args, params_dtype=self.param_dtype)
+        return super()._make_optimizer(self.optimized)
 
     @property
     def dp_rank(self) -> int:
@@ -251,7 +249,10 @@ class MegatronActor(PolicyTrainActor):
 
     @property
     def trained_params(self) -> list[torch.Tensor]:
-        return self.train_params
+        return self.optimizer.main_params if self.distributed else self.train_params
+
+    def _device_buffers(self) -> list[torch.Tensor]:
+        return self.optimizer.buffers() if self.distributed else []
 
     # ----- backend hooks -------------------------------------------------------------------
 
@@ -325,6 +326,9 @@ class MegatronActor(PolicyTrainActor):
     def _finish_grads(self) -> None:
         """Sum the step's gradient over the DP group, the partial QK-norm grads over TP,
         and tied embeddings' two halves over the first and last pipeline stages."""
+        if self.distributed:
+            self.optimizer.finish_grads()  # megatron-core's own finalize_model_grads
+            return
         for param in self.train_params:
             if param.grad is None:  # e.g. a rank whose share was empty: still take part
                 param.grad = torch.zeros_like(param)
@@ -337,33 +341,21 @@ class MegatronActor(PolicyTrainActor):
                 dist.all_reduce(param.grad, group=self.dp_group)
 
     def _optimizer_step(self, num_samples: int) -> StepResult:
-        """The shared chokepoint; with the distributed optimizer each rank has updated
-        only its share, and every share is then broadcast to the other DP replicas."""
+        """The shared chokepoint; then bf16 weights re-rounded from their main copies, or
+        the distributed optimizer's gradient buffers emptied (it has already gathered the
+        updated weights into the model)."""
         result = super()._optimizer_step(num_samples)
-        if not result.skipped:
-            if self.main is not None:
-                self.main.to_model(self.owned)
-            if self.param_owner is not None:
-                self._broadcast_shares()
+        if self.distributed:
+            self.optimizer.zero_grad()
+        elif self.main is not None and not result.skipped:
+            self.main.to_model()
         return result
-
-    @torch.no_grad()
-    def _broadcast_shares(self) -> None:
-        """Each DP rank's freshly updated parameters to every DP replica, one flat
-        buffer per owner (a collective over the DP group)."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        for owner in range(self.dp_size):
-            share = [p for p, o in zip(self.params, self.param_owner, strict=True) if o == owner]
-            flat = _flatten_dense_tensors([p.detach() for p in share])
-            dist.broadcast(flat, src=self.dp_ranks[owner], group=self.dp_group)
-            if owner != self._dp_rank:
-                for param, value in zip(share, _unflatten_dense_tensors(flat, share), strict=True):
-                    param.copy_(value)
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients: TP shards and pipeline stages summed, TP-replicated
         params and the last stage's copy of tied embeddings counted once."""
+        if self.distributed:
+            return self.optimizer.grad_norm()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for (name, param), trained in zip(self.named_params, self.train_params, strict=True):
             if trained.grad is None or self.stage.is_tied_copy(name):
@@ -447,7 +439,6 @@ class MegatronActor(PolicyTrainActor):
             self.optimized,
             self.optimizer,
             with_optimizer=self.optimizer_steps > 0,
-            dp_sharded=self.param_owner is not None,
             main_weights=self.main is not None,
         )
 
@@ -455,7 +446,33 @@ class MegatronActor(PolicyTrainActor):
         mcheckpoint.save(self._state(), folder)
 
     def _checkpoint_extra(self) -> dict[str, Any]:
-        return {"tp": self.tp, "pp": self.pp, "param_dtype": str(self.param_dtype)}
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "param_dtype": str(self.param_dtype),
+            "distributed_optimizer": self.distributed,
+        }
+
+    def _check_optimizer_layout(self, folder: Path, extra: dict[str, Any]) -> None:
+        """Refuse an optimizer state this run cannot read: megatron-core's distributed
+        optimizer and torch AdamW save different layouts, and the former only re-splits
+        over DP. A never-stepped checkpoint holds weights only and loads anywhere."""
+        if extra["counters"]["optimizer_steps"] == 0:
+            return
+        saved = bool(extra.get("distributed_optimizer", False))
+        if saved != self.distributed:
+            which = "with" if saved else "without"
+            raise checkpoint.CheckpointError(
+                f"{folder} holds the optimizer state of a run {which} "
+                f"--megatron-use-distributed-optimizer; resume {which} it (or start from an "
+                "HF export: --save-hf, then --hf-checkpoint)"
+            )
+        if saved and (extra.get("tp"), extra.get("pp", 1)) != (self.tp, self.pp):
+            raise checkpoint.CheckpointError(
+                f"{folder} holds a distributed-optimizer state saved at TP={extra.get('tp')}, "
+                f"PP={extra.get('pp', 1)}; it loads at another DP size but not at "
+                f"TP={self.tp}, PP={self.pp}"
+            )
 
     def _load(self, load_dir: str) -> int:
         """Restore the newest checkpoint under ``load_dir``; return its rollout id."""
@@ -466,17 +483,20 @@ class MegatronActor(PolicyTrainActor):
                 f"{folder} holds {saved_dtype} weights and this run trains in "
                 f"{self.param_dtype}; resume with the same --megatron-param-dtype"
             )
+        self._check_optimizer_layout(folder, meta["extra"])
         mcheckpoint.load(
             self.model,
             self.optimized,
             self.optimizer,
             folder,
             with_optimizer=self.optimizer_steps > 0,
-            dp_sharded=self.param_owner is not None,
             main_weights=self.main is not None,
         )
-        if self.main is not None and self.optimizer_steps == 0:
-            self.main.from_model()
+        if self.optimizer_steps == 0:  # no optimizer state saved: main weights from the model
+            if self.main is not None:
+                self.main.from_model()
+            elif self.distributed:
+                self.optimizer.reload_model_params()
         layout = (meta["world_size"], meta["extra"].get("tp"), meta["extra"].get("pp", 1))
         if layout == (self.world, self.tp, self.pp):
             self._restore_rng(folder)

@@ -17,9 +17,9 @@ sharded entry with the moment as data and the key prefixed ``optimizer.<moment>.
 (megatron-core's ``make_sharded_optimizer_tensor``, what its own optimizers do). The
 step count is one number shared by every parameter and rank: common state
 (``common.pt``, written by rank 0). A never-stepped AdamW has no state and saves none.
-With the distributed optimizer each data-parallel rank holds the moments of its
-share of the parameters and saves exactly those; the files do not record who held
-what, so such a checkpoint loads with or without it, at any DP size.
+megatron-core's distributed optimizer (``distrib_optim``) describes its own state
+(``dp_reshardable``: main weights, moments and step of each rank's buffer slice),
+which goes under the same ``optimizer`` key.
 
 Vocab padding: the padded vocabulary grows with TP (64 tokens -> 128 rows at TP=1,
 256 at TP=2). For an ``allow_shape_mismatch`` tensor megatron-core zeroes the target
@@ -32,7 +32,6 @@ update (weight decay of zero is zero).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import queue
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +42,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
+from vime.backends.megatron.distrib_optim import DistributedOptimizer
+
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 MAIN_WEIGHT = "main_param"  # fp32 main weights of a bf16 model
 NamedParams = list[tuple[str, torch.nn.Parameter]]
@@ -51,32 +52,34 @@ NamedParams = list[tuple[str, torch.nn.Parameter]]
 def sharded_state(
     model: torch.nn.Module,
     optimized: NamedParams,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | DistributedOptimizer,
     *,
     with_optimizer: bool,
-    dp_sharded: bool = False,
     main_weights: bool = False,
+    is_loading: bool = False,
 ) -> dict[str, Any]:
     """This rank's sharded state dict: the model's, plus the AdamW moments and step.
 
-    ``optimized`` are the parameters whose AdamW state this rank holds: all of its
-    parameters, or with ``dp_sharded`` (the distributed optimizer) its data-parallel
-    share, whose moments this rank then saves as their main replica. ``with_optimizer``
+    ``optimized`` are the parameters whose AdamW state this rank holds. ``with_optimizer``
     needs a populated ``optimizer.state`` for each of them (real moments to save, or
     templates of the right shapes to load into). ``main_weights``: the optimized
     tensors are fp32 main copies of bf16 model weights, saved beside the moments as
     ``optimizer.main_param.<key>`` (the bf16 model weights alone would lose their low bits).
+    A ``DistributedOptimizer`` describes its own state (``is_loading`` as megatron-core
+    wants it said).
     """
     model_state = model.sharded_state_dict()
     state: dict[str, Any] = {"model": model_state}
-    if with_optimizer:
+    if with_optimizer and isinstance(optimizer, DistributedOptimizer):
+        state["optimizer"] = optimizer.sharded_state(model_state, is_loading=is_loading)
+    elif with_optimizer:
         tensors_of = {m: lambda p, m=m: optimizer.state[p][m] for m in ADAM_MOMENTS}
         if main_weights:
             tensors_of[MAIN_WEIGHT] = lambda p: p
         optim: dict[str, Any] = {
             kind: {
                 name: make_sharded_optimizer_tensor(
-                    _dp_main(model_state[name]) if dp_sharded else model_state[name],
+                    model_state[name],
                     tensor_of(param),
                     f"optimizer.{kind}",
                 )
@@ -88,19 +91,6 @@ def sharded_state(
         optim["step"] = optimizer.state[optimized[0][1]]["step"].detach().clone()
         state["optimizer"] = optim
     return state
-
-
-def _dp_main(sharded: Any) -> Any:
-    """``sharded`` (a model entry) marked as the data-parallel main replica.
-
-    megatron-core's replica ids of dense-model parameters are ``(0, tp_replica,
-    dp_rank)``: the DP replica with rank 0 saves the weight. A moment of the
-    distributed optimizer lives on one DP rank only, its owner, which must save it;
-    the TP part of the id is kept, so one TP rank still saves a TP-replicated moment.
-    """
-    replica = sharded.replica_id
-    main = (*replica[:-1], 0) if isinstance(replica, tuple) else 0
-    return dataclasses.replace(sharded, replica_id=main)
 
 
 def save(state: dict[str, Any], folder: Path) -> None:
@@ -149,24 +139,22 @@ def in_process_results_queue() -> Iterator[None]:
 def load(
     model: torch.nn.Module,
     optimized: NamedParams,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | DistributedOptimizer,
     folder: Path,
     *,
     with_optimizer: bool,
-    dp_sharded: bool = False,
     main_weights: bool = False,
 ) -> None:
     """Restore weights (and the AdamW moments of ``optimized`` and the step) from
-    ``folder`` at this rank's TP shard and pipeline stage (``dp_sharded`` and
-    ``main_weights`` as for ``sharded_state``; the caller sets the main weights of a
-    never-stepped checkpoint, which has none, from the model).
+    ``folder`` at this rank's TP shard and pipeline stage (``main_weights`` as for
+    ``sharded_state``; the caller sets the main weights of a never-stepped checkpoint,
+    which has none, from the model).
 
     A collective over every rank. Strict both ways: a tensor the ranks expect but the
-    checkpoint lacks, or one the checkpoint has but no rank reads, is an error. Which
-    rank saved a moment does not matter: a distributed-optimizer checkpoint loads
-    without it and the other way round, at any DP size.
+    checkpoint lacks, or one the checkpoint has but no rank reads, is an error.
     """
-    if with_optimizer:  # templates for the moments (any values, right shapes)
+    distributed = isinstance(optimizer, DistributedOptimizer)
+    if with_optimizer and not distributed:  # templates for the moments (right shapes)
         for _, param in optimized:
             optimizer.state[param] = {m: torch.zeros_like(param) for m in ADAM_MOMENTS}
             optimizer.state[param]["step"] = torch.zeros((), dtype=torch.float32)
@@ -175,12 +163,14 @@ def load(
         optimized,
         optimizer,
         with_optimizer=with_optimizer,
-        dp_sharded=dp_sharded,
         main_weights=main_weights,
+        is_loading=True,
     )
     loaded = dist_checkpointing.load(state, str(folder), strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(loaded["model"], strict=True)
-    if with_optimizer:
+    if with_optimizer and distributed:
+        optimizer.load_state(loaded["optimizer"])
+    elif with_optimizer:
         optim = loaded["optimizer"]
         if main_weights:
             with torch.no_grad():

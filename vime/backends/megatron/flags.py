@@ -71,8 +71,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--megatron-use-distributed-optimizer",
         action="store_true",
-        help="shard the AdamW state over data-parallel ranks: each updates its share of "
-        "the parameters and broadcasts it (no effect with one replica)",
+        help="megatron-core's DDP wrapper and DistributedOptimizer: gradients "
+        "reduce-scattered, fp32 main weights and AdamW state sharded over the data-parallel "
+        "ranks, updated weights all-gathered (checkpoints resume at another DP size only)",
     )
     g.add_argument(
         "--megatron-param-dtype",

@@ -45,6 +45,8 @@ def apply_cpu_shims() -> bool:
     _shim_grad_clip()
     _shim_pipeline_schedule()
     _shim_tied_embedding_setup()
+    _shim_optimizer_literals()
+    _shim_optimizer_type_checks()
     _applied = True
     return True
 
@@ -271,7 +273,8 @@ def _on_cpu(device: Any) -> Any:
 
 class _TorchWithCpuFactories(types.ModuleType):
     """The ``torch`` module as one megatron-core module sees it: every attribute is
-    torch's own, except that ``zeros`` puts a ``device="cuda"`` tensor on the CPU."""
+    torch's own, except that ``zeros`` and ``tensor`` put a ``device="cuda"`` tensor on
+    the CPU."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -282,6 +285,10 @@ class _TorchWithCpuFactories(types.ModuleType):
     @staticmethod
     def zeros(*size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
         return torch.zeros(*size, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def tensor(data: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(data, device=_on_cpu(device), **kwargs)
 
 
 def _shim_pipeline_schedule() -> None:
@@ -301,17 +308,22 @@ def _shim_pipeline_schedule() -> None:
 
 
 @contextlib.contextmanager
-def _tensor_cuda_is_identity() -> Iterator[None]:
-    original = torch.Tensor.cuda
+def _tensor_method(name: str, replacement: Callable[..., Any]) -> Iterator[None]:
+    """``torch.Tensor.<name>`` is ``replacement(original, self, ...)`` inside the block."""
+    original = getattr(torch.Tensor, name)
 
-    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self
+    def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return replacement(original, self, *args, **kwargs)
 
-    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    setattr(torch.Tensor, name, method)
     try:
         yield
     finally:
-        torch.Tensor.cuda = original  # type: ignore[method-assign]
+        setattr(torch.Tensor, name, original)
+
+
+def _tensor_cuda_is_identity() -> contextlib.AbstractContextManager[None]:
+    return _tensor_method("cuda", lambda _original, self, *args, **kwargs: self)
 
 
 def _shim_tied_embedding_setup() -> None:
@@ -336,3 +348,67 @@ def _shim_tied_embedding_setup() -> None:
 
     setup_embeddings_and_output_layer.__wrapped__ = original  # type: ignore[attr-defined]
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer  # type: ignore[method-assign]
+
+
+# ----- megatron-core's optimizers ------------------------------------------------------------
+
+
+def _shim_optimizer_literals() -> None:
+    """``optimizer.optimizer``'s ``device='cuda'`` scalars on the CPU.
+
+    Covers ``MixedPrecisionOptimizer.__init__`` (the base of ``DistributedOptimizer``),
+    which makes its ``found_inf``, ``_dummy_overflow_buf`` and ``_scale_one`` with
+    ``torch.tensor([...], device='cuda')``, and ``FP32Optimizer``'s ``_scale``. The
+    module reads ``torch`` as a global at call time, so it gets the same CPU-factory
+    ``torch`` as the pipeline schedule.
+    """
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    if not isinstance(moptimizer.torch, _TorchWithCpuFactories):
+        moptimizer.torch = _TorchWithCpuFactories()
+
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _cuda_type_name(original: Callable[..., Any], self: torch.Tensor, *args: Any, **kw: Any) -> Any:
+    name = original(self, *args, **kw)
+    return name if args or kw else _CUDA_TYPE_NAMES.get(name, name)
+
+
+def _cpu_tensors_named_as_cuda() -> contextlib.AbstractContextManager[None]:
+    """``Tensor.type()`` (no arguments) answers the CUDA type name for a CPU float tensor."""
+    return _tensor_method("type", _cuda_type_name)
+
+
+def _shim_optimizer_type_checks() -> None:
+    """Construct ``DistributedOptimizer`` and ``Float16OptimizerWithFloat16Params`` with
+    CPU parameters.
+
+    Covers their ``__init__``: ``DistributedOptimizer._build_model_and_main_param_groups``
+    and ``Float16OptimizerWithFloat16Params.__init__`` sort parameters by
+    ``param.type()`` against ``'torch.cuda.HalfTensor'``, ``'torch.cuda.BFloat16Tensor'``
+    and ``'torch.cuda.FloatTensor'`` and raise ``TypeError`` for anything else, and
+    ``DistributedOptimizer.__init__`` marks 16-bit parameters by the same names. Only
+    during those constructors does a CPU float tensor report its CUDA type name; the
+    dtype is what the checks mean, and the dtype is unchanged.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    classes = (distrib_optimizer.DistributedOptimizer, moptimizer.Float16OptimizerWithFloat16Params)
+    for cls in classes:
+        init = cls.__init__
+        if getattr(init, "_vime_cpu_shim", False):
+            continue
+
+        def constructor(self: Any, *args: Any, _init: Any = init, **kwargs: Any) -> None:
+            with _cpu_tensors_named_as_cuda():
+                _init(self, *args, **kwargs)
+
+        constructor._vime_cpu_shim = True  # type: ignore[attr-defined]
+        cls.__init__ = constructor  # type: ignore[method-assign]
