@@ -2,7 +2,9 @@
 
 Proves: the weight round trip HF -> TP shards -> HF is exact for Qwen3 (QK norm,
 head_dim != hidden/heads), Qwen2 (q/k/v bias), Llama tied and untied, Llama 3.1 RoPE
-scaling, at TP=1 and TP=2, with the fused QKV laid out per KV group as specified;
+scaling, at TP=1 and TP=2, in the local layers' names and in TransformerEngine's
+(``fused_norms``: the layer norms inside ``linear_qkv`` / ``linear_fc1``), with the
+fused QKV laid out per KV group as specified;
 unsupported architectures and options are rejected with the reason; and the key
 alignment: the same HF weights in megatron-core's ``GPTModel`` give per-token
 log-probs (and logits) equal to the HF model's, sample by sample, on one packed
@@ -118,16 +120,23 @@ def _assert_matches_hf(logits: torch.Tensor, reference: list) -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("tp", [1, 2])
-def test_round_trip_exact(name: str, tp: int) -> None:
+@pytest.mark.parametrize("fused_norms", [False, True], ids=["local-names", "te-names"])
+def test_round_trip_exact(name: str, tp: int, fused_norms: bool) -> None:
     config = CONFIGS[name]()
     if config.num_key_value_heads % tp:
         pytest.skip("KV heads not divisible by TP (rejection is tested separately)")
     state = _hf_model(config).state_dict()
-    shards = [convert.hf_to_megatron(state, config, r, tp) for r in range(tp)]
+    shards = [
+        convert.hf_to_megatron(state, config, r, tp, fused_norms=fused_norms) for r in range(tp)
+    ]
+    names = [pm.megatron for pm in convert.param_map(config, fused_norms=fused_norms)]
+    assert list(shards[0]) == names
+    fused = [n for n in names if n.endswith("layer_norm_weight")]
+    assert len(fused) == (2 * config.num_hidden_layers if fused_norms else 0)
     extra = convert.gpt_extra(config, tp=tp)
     assert shards[0]["embedding.word_embeddings.weight"].shape[0] == extra.padded_vocab_size // tp
     assert extra.padded_vocab_size % (128 * tp) == 0
-    back = convert.megatron_to_hf(shards, config)
+    back = convert.megatron_to_hf(shards, config, fused_norms=fused_norms)
     expected = _expected_hf(state, config)
     assert sorted(back) == sorted(expected)
     for key, value in expected.items():

@@ -15,15 +15,22 @@ attention), in fp32. Skipped without CUDA (``conftest.py``).
 Also megatron-core's distributed optimizer in bf16 on the GPU: the plain run's
 step-0 loss and grad norm, a step, and a sleep / wake round trip of its buffers.
 
-What is not here because it is not built: TransformerEngine's attention (the
-megatron actor runs THD rows through vime's per-sample torch attention on the GPU
-too).
+And, where ``transformer_engine`` imports, ``--megatron-transformer-impl
+transformer_engine`` in bf16: TransformerEngine's layers really built (TE's core
+attention over the THD rows, norms fused into the linears), per-token log-probs, loss
+and a non-zero grad norm within bf16 tolerances of the local layers' bf16 run, and a
+weight source that yields the same HF names, shapes, dtypes and bits as the local
+actor's (the fused norm names map back to the same HF tensors). Skipped, with the
+reason, where TE is not installed; the worker then builds no TE actor.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import random
+import traceback
 from pathlib import Path
 
 import pytest
@@ -47,6 +54,16 @@ NORM_RTOL = 1e-3
 # few 1e-2 on average. A packing, RoPE or conversion bug moves most tokens by > 0.5.
 BF16_LOGP_MEAN_ATOL = 5e-2
 BF16_RTOL = 5e-2
+# TransformerEngine's layers against the local ones, both bf16 over the same bf16
+# weights: the roundings sit in different places (TE normalizes inside its fused
+# norm + GEMM kernel and rounds once, the local layers round the norm's output and
+# then GEMM; TE's THD attention is flash / cuDNN with an fp32 online softmax, the local
+# one torch SDPA per sample; other GEMM tilings). Each is ~2e-3 relative, so over 28
+# blocks the same bound as between the two backends in bf16; a THD boundary, RoPE or
+# norm-placement bug moves most log-probs by > 0.5.
+TE_LOGP_MEAN_ATOL = BF16_LOGP_MEAN_ATOL
+TE_RTOL = BF16_RTOL
+TE_IMPL = ("--megatron-transformer-impl", "transformer_engine")
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +87,12 @@ def hf_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("qwen3_0p6b_shape")
     # Stored in bf16 (half the disk); both backends upcast the same values to fp32.
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    # Norms away from their init value (ones), so a norm loaded into another norm's
+    # place (the fused TE names, say) changes the numbers.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(path)
     return str(path)
 
@@ -139,6 +162,38 @@ def _thd_against_block_mask(actor) -> dict:
     return {"diff": float((thd - block).abs().max()), "scale": float(block.abs().max())}
 
 
+def _weight_source(actor) -> list[tuple[str, tuple[int, ...], str, str]]:
+    """(HF name, shape, dtype, digest of the bytes) of every tensor ``weight_buckets``
+    yields, in order: compared across actors without keeping 0.6 B weights twice."""
+    out = []
+    for bucket in actor.weight_buckets(1 << 28):
+        for name, tensor in bucket:
+            data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy()
+            out.append(
+                (name, tuple(tensor.shape), str(tensor.dtype), hashlib.sha1(data).hexdigest())
+            )
+    return out
+
+
+def _transformer_engine_run(hf: str) -> dict:
+    """Step 0 and the weight source of a bf16 megatron actor on TE's layers; the error
+    itself if building or running it fails (so the other results still get written)."""
+    from vime.backends.megatron.actor import MegatronActor
+
+    try:
+        actor = MegatronActor()
+        actor.init(_args(hf, "megatron", "bfloat16", *TE_IMPL))
+        result = _step0(actor)
+        result["modules"] = sorted({type(m).__name__ for m in actor.model.modules()})
+        result["weights"] = _weight_source(actor)
+        del actor
+    except Exception:
+        return {"error": traceback.format_exc()}
+    finally:
+        torch.cuda.empty_cache()
+    return result
+
+
 def _distributed_step(actor) -> dict:
     """Step 0 through megatron-core's distributed optimizer, the optimizer step, then a
     sleep / wake round trip: bytes freed on the GPU, weights back bitwise."""
@@ -184,12 +239,18 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
             results[key]["device"] = str(actor.device)
             if key == "megatron":
                 results["thd"] = _thd_against_block_mask(actor)
+            if key == "megatron-bf16":
+                results[key]["weights"] = _weight_source(actor)
             del actor
             torch.cuda.empty_cache()
     actor = MegatronActor()
     actor.init(_args(hf, "megatron", "bfloat16", "--megatron-use-distributed-optimizer"))
     results["megatron-bf16-distopt"] = _distributed_step(actor)
     del actor
+    torch.cuda.empty_cache()
+    # Last, so that a TE failure cannot disturb the runs above; none without TE.
+    if importlib.util.find_spec("transformer_engine") is not None:
+        results["megatron-te-bf16"] = _transformer_engine_run(hf)
     torch.save(results, out)
     os._exit(0)  # skip NCCL/megatron teardown: the results are written
 
@@ -250,3 +311,33 @@ def test_distributed_optimizer_on_the_gpu(got) -> None:
     assert not dist_opt["skipped"]
     assert dist_opt["freed"] > 3e9, dist_opt["freed"]
     assert dist_opt["wake_bitwise"]
+
+
+def _te(got) -> dict:
+    if "megatron-te-bf16" not in got:
+        pytest.skip("transformer_engine is not importable here: no TE actor was built")
+    te = got["megatron-te-bf16"]
+    assert "error" not in te, te.get("error")
+    return te
+
+
+def test_transformer_engine_layers_match_the_local_layers(got) -> None:
+    te, local = _te(got), got["megatron-bf16"]
+    # TE really ran: its core attention and fused norm + linear, not vime's local layers.
+    assert {"TEDotProductAttention", "TELayerNormColumnParallelLinear"} <= set(te["modules"])
+    assert "PackedDotProductAttention" not in te["modules"]
+    assert sorted(te["logp"]) == sorted(local["logp"]) == list(range(8))
+    diffs = torch.cat([(te["logp"][i] - logp).abs() for i, logp in local["logp"].items()])
+    assert float(diffs.mean()) < TE_LOGP_MEAN_ATOL
+    assert te["grad_norm"] > 1e-3, "zero gradient: the comparison would prove nothing"
+    assert te["grad_norm"] == pytest.approx(local["grad_norm"], rel=TE_RTOL)
+    assert te["loss"] == pytest.approx(local["loss"], rel=TE_RTOL, abs=1e-4)
+
+
+def test_transformer_engine_weight_source_matches_the_local_one(got) -> None:
+    """Loaded from the same checkpoint and not stepped: the same HF tensors out, bit for
+    bit, through TE's fused norm names as through the local ones."""
+    te, local = _te(got), got["megatron-bf16"]
+    # The embedding (tied: no lm_head), the final norm, and 11 tensors per layer.
+    assert len(local["weights"]) == 2 + 11 * 28
+    assert te["weights"] == local["weights"]

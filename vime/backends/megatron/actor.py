@@ -45,6 +45,15 @@ megatron-core's re-split, bitwise for every real (non-padding) row. The distribu
 optimizer saves its state in megatron-core's ``dp_reshardable`` form instead, which
 loads at another DP size only. RNG streams are restored only when world size and TP
 size match.
+
+Layers: megatron-core's local ones, or TransformerEngine's with
+``--megatron-transformer-impl transformer_engine`` (``model.py``). TE's fuse the
+layer norms into the linears after them, so the HF maps are built with
+``convert``'s ``fused_norms`` then; nothing else here names a norm. The weight
+tensors' checkpoint keys are the same under both (megatron-core maps the local norm
+names onto TE's), but TE's norms (TE 2's operation-based RMSNorm) also save an
+``_extra_state`` the local ones lack and the load is strict, so a checkpoint resumes
+under the impl that saved it only (HF export moves weights across).
 """
 
 from __future__ import annotations
@@ -122,6 +131,8 @@ class MegatronActor(PolicyTrainActor):
         # Sequence parallel splits each row's tokens over the TP ranks.
         self.row_multiple = self.tp if args.megatron_sequence_parallel else 1
         self.distributed = bool(args.megatron_use_distributed_optimizer)
+        self.transformer_impl = args.megatron_transformer_impl
+        self.fused_norms = mmodel.fuses_norms(self.transformer_impl)
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
         self._init_parallel()
         self.param_dtype = vime_device.resolve_dtype(args.megatron_param_dtype, self.device)
@@ -186,7 +197,11 @@ class MegatronActor(PolicyTrainActor):
             **recompute_fields(self.args.megatron_recompute_granularity),
         )
         model = mmodel.build_gpt_model(
-            self.hf_config, tcfg, pre_process=self.stage.is_first, post_process=self.stage.is_last
+            self.hf_config,
+            tcfg,
+            pre_process=self.stage.is_first,
+            post_process=self.stage.is_last,
+            transformer_impl=self.transformer_impl,
         )
         # megatron-core builds its layers on the GPU, but leaves modules it did not make
         # where they were made; the whole model goes to this rank's device.
@@ -194,7 +209,9 @@ class MegatronActor(PolicyTrainActor):
         # Every rank reads the checkpoint and keeps its stage's TP shard (fine on the host).
         hf_state = read_hf_state(self.args.hf_checkpoint)
         self.hf_shapes = {name: tuple(t.shape) for name, t in hf_state.items()}
-        full = convert.hf_to_megatron(hf_state, self.hf_config, self.tp_rank, self.tp)
+        full = convert.hf_to_megatron(
+            hf_state, self.hf_config, self.tp_rank, self.tp, fused_norms=self.fused_norms
+        )
         del hf_state
         local_keys = [k for k in model.state_dict() if not k.endswith("_extra_state")]
         mmodel.load_megatron_state(model, {k: full[self.stage.global_name(k)] for k in local_keys})
@@ -206,7 +223,7 @@ class MegatronActor(PolicyTrainActor):
         than the DP sum."""
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
-        self.global_maps = convert.param_map(self.hf_config)
+        self.global_maps = convert.param_map(self.hf_config, fused_norms=self.fused_norms)
         by_name = {pm.megatron: pm for pm in self.global_maps}
         missing = [n for n, _ in self.named_params if self.stage.global_name(n) not in by_name]
         if missing:
@@ -451,6 +468,7 @@ class MegatronActor(PolicyTrainActor):
             "pp": self.pp,
             "param_dtype": str(self.param_dtype),
             "distributed_optimizer": self.distributed,
+            "transformer_impl": self.transformer_impl,
         }
 
     def _check_optimizer_layout(self, folder: Path, extra: dict[str, Any]) -> None:
@@ -482,6 +500,12 @@ class MegatronActor(PolicyTrainActor):
             raise checkpoint.CheckpointError(
                 f"{folder} holds {saved_dtype} weights and this run trains in "
                 f"{self.param_dtype}; resume with the same --megatron-param-dtype"
+            )
+        saved_impl = meta["extra"].get("transformer_impl", "local")  # older checkpoints: local
+        if saved_impl != self.transformer_impl:
+            raise checkpoint.CheckpointError(
+                f"{folder} was saved with --megatron-transformer-impl {saved_impl}; resume with "
+                "the same (or start from an HF export: --save-hf, then --hf-checkpoint)"
             )
         self._check_optimizer_layout(folder, meta["extra"])
         mcheckpoint.load(

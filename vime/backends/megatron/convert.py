@@ -21,7 +21,9 @@ Megatron layout (local and TransformerEngine specs alike, per TP rank):
 With the local spec (the only one on the CPU) the layer norms are separate
 modules (``input_layernorm``, ``pre_mlp_layernorm``); TransformerEngine's spec
 fuses them into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``,
-which ``fused_norms=True`` produces instead.
+which ``fused_norms=True`` produces instead. Those are also the names under which
+megatron-core checkpoints the local spec's norms (its ``sharded_state_dict_keys_map``),
+so either naming describes the same checkpoint tensors.
 """
 
 from __future__ import annotations
@@ -297,7 +299,8 @@ def hf_to_megatron(
     *,
     fused_norms: bool = False,
 ) -> dict[str, Tensor]:
-    """TP rank ``tp_rank``'s megatron state dict (local-spec names) from a full HF one."""
+    """TP rank ``tp_rank``'s megatron state dict from a full HF one, in the local spec's
+    names (TransformerEngine's with ``fused_norms``)."""
     gpt_extra(hf_config, tp=tp_size)  # rejects what cannot be split or reproduced
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside tensor-parallel size {tp_size}")

@@ -33,6 +33,7 @@ same tensor- and pipeline-parallel sizes (the actor refuses anything else by nam
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -136,7 +137,11 @@ class DistributedOptimizer:
         """Empty the gradient buffers and the main weights' ``.grad`` (after every step,
         taken or skipped)."""
         self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        with warnings.catch_warnings():
+            # fp32 main weights are views of the model's weights, and megatron-core's
+            # zero_grad reads their .grad, which torch warns about on every step.
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor")
+            self.optimizer.zero_grad()
 
     # ----- memory and checkpoints --------------------------------------------------------------
 

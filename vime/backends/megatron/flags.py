@@ -3,16 +3,18 @@
 Where it fits: named by the registry, loaded by the CLI parser only when
 ``--train-backend megatron`` is selected (or to recognise a misplaced flag).
 Argparse, stdlib and the light ``vime.models.embedded`` only: importing this
-module must not import torch or megatron-core. The architecture rules
-(``check_architecture``) live here, not in ``convert``, so that one function
-judges the checkpoint's config.json while the flags are parsed and the
-transformers config again when the actor converts it.
+module must not import torch or megatron-core (validating ``--megatron-transformer-impl
+transformer_engine``, and only that, asks torch whether CUDA is there). The
+architecture rules (``check_architecture``) live here, not in ``convert``, so that
+one function judges the checkpoint's config.json while the flags are parsed and
+the transformers config again when the actor converts it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 from dataclasses import dataclass
@@ -27,6 +29,9 @@ from vime.models.embedded import architecture_fields
 EMBEDDED_MODEL = "the embedded default model (no --hf-checkpoint)"
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+# Which layers megatron-core builds (``model.build_gpt_model``): its local ones (torch
+# only, vime's packed attention) or TransformerEngine's fused ones.
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 # The only llama3 RoPE scaling megatron-core's RotaryEmbedding reproduces: it fixes these
 # three (RotaryEmbedding._apply_scaling) and takes only the factor as a parameter.
@@ -88,6 +93,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="activation recomputation: selective = core attention, full = every layer",
     )
+    g.add_argument(
+        "--megatron-transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default="local",
+        help="layers: local = megatron-core's own (torch; vime's per-sample attention over "
+        "packed rows); transformer_engine = TransformerEngine's fused norm+linear layers "
+        "and its THD attention (needs CUDA and the transformer_engine package)",
+    )
 
 
 def validate(args: argparse.Namespace) -> int:
@@ -106,10 +119,38 @@ def validate(args: argparse.Namespace) -> int:
         )
     if args.megatron_sequence_parallel and tp == 1:
         raise ConfigError("--megatron-sequence-parallel needs --megatron-tensor-parallel-size > 1")
+    if args.megatron_transformer_impl == "transformer_engine":
+        missing = transformer_engine_missing()
+        if missing:
+            raise ConfigError(
+                f"--megatron-transformer-impl transformer_engine needs {missing}; "
+                "use --megatron-transformer-impl local"
+            )
     hf_config = _read_hf_config(args.hf_checkpoint)
     _check_architecture(args, hf_config, tp)
     _check_layers(args, pp, hf_config)
     return world // (tp * pp)
+
+
+def transformer_engine_missing() -> str | None:
+    """What this machine lacks for TransformerEngine's layers -- CUDA and an importable
+    ``transformer_engine`` -- in words, or None when it has both.
+
+    The package is looked up, not imported (importing TE is slow and needs CUDA
+    libraries); torch is imported only here, when TE is asked for, to ask for CUDA.
+    """
+    missing = []
+    try:
+        have_te = importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        have_te = False
+    if not have_te:
+        missing.append("the transformer_engine package (not installed here)")
+    from vime import device  # imports torch: only paid when TE is asked for
+
+    if not device.cuda_available():
+        missing.append("a CUDA GPU (none is visible here)")
+    return " and ".join(missing) or None
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,28 @@ tests and tools).
 Packed rows (see ``vime.data.micro_batch``) go in megatron-core's THD format:
 ``stage_forward`` passes ``PackedSeqParams`` whose ``cu_seqlens`` cover every position
 run of the row (the samples, then any padding), megatron restarts RoPE per run from
-them, and the core attention (``PackedDotProductAttention``, megatron-core's local
-``DotProductAttention`` plus THD) attends within each run through
-``vime.backends.varlen_attention`` -- exactly what HF computes for each sample alone.
-TransformerEngine's attention takes the same ``PackedSeqParams``; it is not wired in
-(not installed where vime is tested). The older form of the same row -- one
-sequence under a block-diagonal causal mask (``block_causal_mask``), RoPE following
-``position_ids`` (``PackedRowGPTModel._preprocess``) -- still works and is what the
-tests check THD against.
+them, and the core attention attends within each run. The older form of the same
+row -- one sequence under a block-diagonal causal mask (``block_causal_mask``), RoPE
+following ``position_ids`` (``PackedRowGPTModel._preprocess``) -- still works and is
+what the tests check THD against.
+
+Two layer implementations (``--megatron-transformer-impl``, ``build_gpt_model``):
+
+- ``local`` (the default, and the only one on the CPU): megatron-core's local layers
+  (``local_block_spec``) with torch's RMSNorm and ``PackedDotProductAttention``
+  (megatron-core's local ``DotProductAttention`` plus THD), which attends within each
+  run through ``vime.backends.varlen_attention`` -- exactly what HF computes for each
+  sample alone;
+- ``transformer_engine`` (``te_block_spec``; CUDA and TransformerEngine): TE's fused
+  norm + linear layers and ``TEDotProductAttention``, which takes the same
+  ``PackedSeqParams`` to TE's THD attention. Written against megatron-core's and
+  TE's APIs, not yet run on a GPU: ``tests/gpu/test_megatron_gpu.py`` checks it
+  against the local layers where TE is installed.
+
+TE holds each layer's two norms inside the following linear, so their parameter
+names differ (``fuses_norms``, ``convert.param_map(fused_norms=True)``); the weights'
+checkpoint keys do not, since megatron-core's local spec maps its norm names onto
+TE's (``sharded_state_dict_keys_map``). (Resuming across impls: ``MegatronActor``.)
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ from megatron.core.transformer.transformer_block import (
 from vime import device as vime_device
 from vime.backends import varlen_attention
 from vime.backends.megatron.convert import gpt_extra
+from vime.backends.megatron.flags import TRANSFORMER_IMPLS, transformer_engine_missing
 from vime.backends.megatron.shims import apply_cpu_shims
 from vime.data.micro_batch import PackedBatch
 
@@ -129,7 +144,7 @@ class PackedRowGPTModel(GPTModel):
             padding_mask=padding_mask,
         )
         rotary = out[1]
-        # THD packing (TransformerEngine) and inference restart positions themselves.
+        # THD rows (RoPE restarted per run from cu_seqlens) and inference position themselves.
         if rotary is None or position_ids is None or packed_seq_params is not None:
             return out
         if inference_context is not None:
@@ -232,6 +247,60 @@ def local_block_spec(tcfg: Any) -> TransformerBlockSubmodules:
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=RMSNorm)
 
 
+def te_block_spec(tcfg: Any) -> TransformerBlockSubmodules:
+    """TransformerEngine's GPT layers for the architecture ``local_block_spec`` builds, as
+    a whole-block spec whose final norm is TE's too.
+
+    megatron-core's TE spec fuses each layer's pre-attention and pre-MLP norm into the
+    linear after it (``TELayerNormColumnParallelLinear``: ``linear_qkv.layer_norm_weight``,
+    ``mlp.linear_fc1.layer_norm_weight``) and leaves the QK norms separate; TE's norms
+    are RMSNorm because ``tcfg.normalization`` says so. Its core attention,
+    ``TEDotProductAttention``, takes the packed rows' ``PackedSeqParams`` (THD).
+
+    Raises ``RuntimeError`` naming what is missing where TE cannot run (no CUDA, no
+    ``transformer_engine``, or one megatron-core could not import).
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    missing = transformer_engine_missing()
+    if missing is None and not gpt_layer_specs.HAVE_TE:
+        missing = "a transformer_engine that megatron-core can import (its import failed)"
+    if missing:
+        raise RuntimeError(
+            f"TransformerEngine layers need {missing}; build the local layers instead "
+            "(--megatron-transformer-impl local)"
+        )
+    from megatron.core.extensions.transformer_engine import TENorm
+
+    layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        num_experts=None,  # dense layers: check_architecture refuses MoE models
+        qk_layernorm=tcfg.qk_layernorm,
+        # TE's operation-fuser MLP names its parameters mlp.0 / mlp.1 / ..., which
+        # conversion does not speak; the plain TE MLP keeps linear_fc1 / linear_fc2.
+        use_te_op_fuser=False,
+        # megatron-core's own SwiGLU (gated silu), as in the local layers.
+        use_te_activation_func=False,
+    )
+    count = get_num_layers_to_build(tcfg)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=TENorm)
+
+
+# Which block spec each --megatron-transformer-impl builds.
+BLOCK_SPECS = {"local": local_block_spec, "transformer_engine": te_block_spec}
+
+
+def fuses_norms(transformer_impl: str) -> bool:
+    """Whether ``transformer_impl``'s layers hold the pre-attention and pre-MLP norms inside
+    the following linear (TE) instead of as modules of their own (local): the
+    ``fused_norms`` that ``convert.param_map`` / ``hf_to_megatron`` need for its model."""
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(
+            f"unknown transformer impl {transformer_impl!r}; choose from "
+            f"{', '.join(TRANSFORMER_IMPLS)}"
+        )
+    return transformer_impl == "transformer_engine"
+
+
 def build_gpt_model(
     hf_config: Any,
     tcfg: Any,
@@ -239,20 +308,24 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     layer_spec: ModuleSpec | TransformerBlockSubmodules | None = None,
+    transformer_impl: str = "local",
 ) -> PackedRowGPTModel:
     """A randomly initialised ``GPTModel`` of ``hf_config``'s architecture on this rank.
 
     ``tcfg`` comes from ``convert.transformer_config_from_hf``; megatron's parallel
     state must be initialised with the same tensor-parallel size. ``layer_spec``
-    defaults to ``local_block_spec`` (megatron-core's layers that run without
-    TransformerEngine, QK-layernorm as ``tcfg`` says, ``RMSNorm`` norms).
+    defaults to the block spec of ``transformer_impl``: ``local_block_spec``
+    (megatron-core's layers that run without TransformerEngine, QK-layernorm as
+    ``tcfg`` says, ``RMSNorm`` norms) or ``te_block_spec`` (the same architecture in
+    TE's layers, GPU only).
     """
     apply_cpu_shims()
     extra = gpt_extra(hf_config, tp=tcfg.tensor_model_parallel_size)
     if layer_spec is None:
+        fuses_norms(transformer_impl)  # an unknown impl fails here, before any building
         if tcfg.normalization != "RMSNorm":
             raise ValueError(f"only RMSNorm models are supported, not {tcfg.normalization}")
-        layer_spec = local_block_spec(tcfg)
+        layer_spec = BLOCK_SPECS[transformer_impl](tcfg)
     return PackedRowGPTModel(
         tcfg,
         layer_spec,
@@ -294,8 +367,15 @@ def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def packed_seq_params(packed: PackedBatch) -> PackedSeqParams:
-    """The THD description of a packed row: one run per sample, plus the padding run."""
-    cu_seqlens = packed.run_cu_seqlens().to(packed.input_ids.device)
+    """The THD description of a packed row: one run per sample, plus the padding run.
+
+    What TransformerEngine's THD attention needs, too: int32 ``cu_seqlens`` on the row's
+    device and the longest run as ``max_seqlen``. No ``cu_seqlens_*_padded``: the runs
+    cover the whole row (the padding is a run of its own), so to TE no token is padding
+    and the padded offsets are these.
+    """
+    # int32: TE's kernels read the offsets as int32 (run_cu_seqlens already is).
+    cu_seqlens = packed.run_cu_seqlens().to(packed.input_ids.device, torch.int32)
     longest = packed.max_run_length
     return PackedSeqParams(
         qkv_format="thd",
