@@ -5,8 +5,7 @@ that the schedule hits its documented values (warmup ramp, linear and cosine
 end points, floor at min_lr) and depends on samples, not steps, and that the
 step chokepoint clips to the given norm, skips a non-finite update without
 touching the weights, and always leaves the gradients cleared -- also those of
-parameters another rank's optimizer updates; and that ``partition_params`` gives
-every rank a share, balanced within the largest parameter, the same on every call.
+parameters another rank's optimizer updates.
 """
 
 from __future__ import annotations
@@ -16,13 +15,7 @@ import math
 import pytest
 import torch
 
-from vime.backends.optim import (
-    LRSchedule,
-    decays,
-    optimizer_step,
-    param_groups,
-    partition_params,
-)
+from vime.backends.optim import LRSchedule, decays, optimizer_step, param_groups
 
 
 def test_no_decay_rule() -> None:
@@ -110,22 +103,3 @@ def test_step_of_a_partial_optimizer_clears_every_gradient() -> None:
     optimizer_step(opt, [weight, bias], norm, clip_grad=1.0, lr=1.0)
     assert weight.grad is None and bias.grad is None
     assert torch.equal(bias.detach(), before)  # not this rank's to update
-
-
-@pytest.mark.parametrize("parts", [1, 2, 3, 5])
-def test_partition_balances_and_covers(parts: int) -> None:
-    import random
-
-    rng = random.Random(parts)
-    sizes = [rng.choice([64, 4096, 8192, 128, 65536]) for _ in range(40)]
-    owners = partition_params(sizes, parts)
-    assert owners == partition_params(list(sizes), parts)  # deterministic
-    assert sorted(set(owners)) == list(range(parts))  # every part gets some
-    loads = [sum(s for s, o in zip(sizes, owners, strict=True) if o == p) for p in range(parts)]
-    assert max(loads) - min(loads) <= max(sizes)
-    assert sum(loads) == sum(sizes)
-
-
-def test_partition_rejects_no_parts() -> None:
-    with pytest.raises(ValueError, match="parts must be >= 1"):
-        partition_params([1, 2], 0)

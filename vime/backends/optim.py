@@ -9,7 +9,7 @@ between backends (DTensor shards vs tensor-parallel shards), so it is passed in.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -38,26 +38,6 @@ def param_groups(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
-
-
-def partition_params(sizes: Sequence[int], parts: int) -> list[int]:
-    """The owner (``0 .. parts-1``) of each of the parameters of ``sizes`` elements, for
-    optimizer state sharded over ``parts`` data-parallel ranks.
-
-    Largest first, each to the part with the fewest elements so far (the lowest index
-    on ties): the parts' totals differ by at most the largest parameter, and every part
-    gets one when there are at least ``parts`` parameters. Pure and deterministic, so
-    every rank computes the same owners from the same sizes without communicating.
-    """
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    owners = [0] * len(sizes)
-    loads = [0] * parts
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        part = min(range(parts), key=lambda p: (loads[p], p))
-        owners[index] = part
-        loads[part] += sizes[index]
-    return owners
 
 
 @dataclass(frozen=True)

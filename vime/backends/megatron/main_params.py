@@ -40,10 +40,10 @@ class MainParams:
         return accumulate
 
     @torch.no_grad()
-    def to_model(self, indices: list[int] | None = None) -> None:
-        """Round main weights (all, or those at ``indices``) into the model's parameters."""
-        for i in range(len(self.params)) if indices is None else indices:
-            self.model_params[i].copy_(self.params[i])
+    def to_model(self) -> None:
+        """Round every main weight into its model parameter."""
+        for model, main in zip(self.model_params, self.params, strict=True):
+            model.copy_(main)
 
     @torch.no_grad()
     def from_model(self) -> None:
