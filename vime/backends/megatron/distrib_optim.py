@@ -71,7 +71,6 @@ class DistributedOptimizer:
             ),
             model,
         )
-        half = params_dtype != torch.float32
         config = OptimizerConfig(
             optimizer="adam",
             lr=args.lr,
@@ -81,8 +80,9 @@ class DistributedOptimizer:
             adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,
-            bf16=half and params_dtype == torch.bfloat16,
-            fp16=half and params_dtype == torch.float16,
+            # bf16 weights get fp32 main weights; fp16 (which would need a loss scaler)
+            # is not a --megatron-param-dtype.
+            bf16=params_dtype == torch.bfloat16,
             params_dtype=params_dtype,
             use_distributed_optimizer=True,
         )
