@@ -197,6 +197,7 @@ def test_fused_qkv_and_fc1_layout() -> None:
         (lambda: LlamaConfig(attention_bias=True), 1, "attention_bias"),
         (lambda: LlamaConfig(mlp_bias=True), 1, "mlp_bias"),
         (lambda: LlamaConfig(hidden_act="gelu"), 1, "hidden_act 'gelu'"),
+        (lambda: LlamaConfig(partial_rotary_factor=0.5), 1, "partial rotary embeddings"),
         (lambda: Qwen3Config(vocab_size=VOCAB, **GQA), 4, "tensor-parallel size 4"),
     ],
 )

@@ -8,8 +8,10 @@ per-token log-probs, the same step-0 loss and the same gradient norm within
 fp32 GPU tolerances, and a non-zero gradient. TF32 is switched off so both run
 true fp32 matmuls. The same again in bf16 (megatron: bf16 weights with fp32 main
 weights; fsdp2: bf16 compute over fp32 shards, fp32 reduction) within bf16
-tolerances. And megatron's packed rows in THD format (vime's per-sample attention)
-give the logits of the same row under a block-diagonal mask (megatron-core's dense
+tolerances. In fp32, one AdamW step on those gradients leaves the same weights in HF
+names (within what sign noise on near-zero gradients allows, see the test). On CUDA
+no CPU shim is in effect. And megatron's packed rows in THD format (vime's per-sample
+attention) give the logits of the same row under a block-diagonal mask (megatron-core's dense
 attention), in fp32. Skipped without CUDA (``conftest.py``).
 
 Also megatron-core's distributed optimizer in bf16 on the GPU: the plain run's
@@ -64,6 +66,7 @@ BF16_RTOL = 5e-2
 TE_LOGP_MEAN_ATOL = BF16_LOGP_MEAN_ATOL
 TE_RTOL = BF16_RTOL
 TE_IMPL = ("--megatron-transformer-impl", "transformer_engine")
+LR = 1e-6  # small, so one step keeps the other checks' numbers at the checkpoint's
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +112,7 @@ def _args(hf: str, backend: str, dtype: str, *extra: str):
             *("--train-backend", backend, "--hf-checkpoint", hf),
             *("--actor-num-gpus-per-node", "1"),
             *("--rollout-batch-size", "4", "--n-samples-per-prompt", "2"),
-            *("--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "1e-6"),
+            *("--global-batch-size", "8", "--micro-batch-size", "2", "--lr", str(LR)),
             *("--entropy-coef", "0.01"),
             *flags,
             *extra,
@@ -132,7 +135,9 @@ def _schedule():
     return schedule(batch, global_batch_size=8, dp_size=1, micro_batch_size=2)
 
 
-def _step0(actor) -> dict:
+def _step0(actor, *, update: bool = False) -> dict:
+    """Step 0's log-probs, loss and grad norm; with ``update``, also the optimizer step
+    taken on those gradients and the weights after it (``_post_step``)."""
     from vime.algo.metrics import MetricAccumulator
 
     sched = _schedule()
@@ -140,9 +145,44 @@ def _step0(actor) -> dict:
     metrics = MetricAccumulator()
     loss = actor.backward_step(sched, 0, metrics, old=logp)
     norm = float(actor.grad_norm())
-    for param in actor.trained_params:
-        param.grad = None
-    return {"logp": logp, "loss": loss, "grad_norm": norm}
+    result = {"logp": logp, "loss": loss, "grad_norm": norm}
+    if update:
+        result["skipped"] = actor._optimizer_step(8).skipped
+        result["post_step"] = _post_step(actor)
+    else:
+        for param in actor.trained_params:
+            param.grad = None
+    return result
+
+
+def _post_step(actor) -> dict[str, torch.Tensor]:
+    """The weight source after a step, in HF names, as fp32 host tensors."""
+    return {
+        name: tensor.detach().float().cpu()
+        for bucket in actor.weight_buckets(1 << 28)
+        for name, tensor in bucket
+    }
+
+
+def _update_agreement(mega: dict[str, torch.Tensor], fsdp: dict[str, torch.Tensor], hf: str):
+    """Per HF name: the largest difference between the two backends' weights after one
+    AdamW step and the largest update either made, from the checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    initial = {}
+    for file in sorted(Path(hf).glob("*.safetensors")):
+        initial.update({k: v.float() for k, v in load_file(file).items()})
+    initial.setdefault("lm_head.weight", initial["model.embed_tokens.weight"])  # tied
+    out = {}
+    for name, weight in fsdp.items():
+        start = initial[name]
+        out[name] = {
+            "diff": float((mega[name] - weight).abs().max()),
+            "moved": float((weight - start).abs().max()),
+            "moved_mega": float((mega[name] - start).abs().max()),
+            "far": float(((mega[name] - weight).abs() > LR / 2).float().mean()),
+        }
+    return sorted(mega) == sorted(fsdp), out
 
 
 def _thd_against_block_mask(actor) -> dict:
@@ -227,6 +267,7 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends.megatron import shims
     from vime.backends.megatron.actor import MegatronActor
 
     results = {}
@@ -235,10 +276,23 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
             actor = cls()
             actor.init(_args(hf, backend, dtype))
             key = backend if dtype == "float32" else f"{backend}-bf16"
-            results[key] = _step0(actor)
+            results[key] = _step0(actor, update=dtype == "float32")
             results[key]["device"] = str(actor.device)
             if key == "megatron":
                 results["thd"] = _thd_against_block_mask(actor)
+                # On CUDA megatron-core runs unpatched: no CPU shim may be in effect.
+                results["shims"] = {
+                    "applied": shims.shims_applied(),
+                    "current_device": torch.cuda.current_device(),
+                    "cuda_synchronize": torch.cuda.synchronize.__module__,
+                }
+            if key == "fsdp2":  # both fp32 steps taken: compare, keep only the figures
+                mega_post = results["megatron"].pop("post_step")
+                same_names, results["update"] = _update_agreement(
+                    mega_post, results["fsdp2"].pop("post_step"), hf
+                )
+                results["update_names_match"] = same_names
+                del mega_post
             if key == "megatron-bf16":
                 results[key]["weights"] = _weight_source(actor)
             del actor
@@ -279,6 +333,29 @@ def test_loss_and_grad_norm_agree(got) -> None:
     assert fsdp["grad_norm"] > 1e-3, "zero gradient: the comparison would prove nothing"
     assert mega["grad_norm"] == pytest.approx(fsdp["grad_norm"], rel=NORM_RTOL)
     assert mega["loss"] == pytest.approx(fsdp["loss"], rel=NORM_RTOL, abs=1e-5)
+
+
+def test_weights_after_one_adamw_step_agree(got) -> None:
+    """One fp32 AdamW step on the same gradients, compared in HF names. Adam's first
+    step moves each weight by lr x g / (|g| + eps), about lr in size whatever g is, so
+    the two backends' weights agree to fp32 rounding except where a gradient element is
+    so close to zero that kernel noise flips its sign: there the two updates can differ
+    by up to 2 lr. Hence at most 2 lr plus rounding anywhere, and more than lr/2 on at
+    most 1 % of the elements; a wrong learning rate, decay group or HF name moves a
+    whole tensor by lr or more."""
+    assert not got["megatron"]["skipped"] and not got["fsdp2"]["skipped"]
+    assert got["update_names_match"]
+    for name, figures in got["update"].items():
+        assert figures["moved"] > LR / 2, f"{name}: fsdp2 never updated it"
+        assert figures["moved_mega"] > LR / 2, f"{name}: megatron never updated it"
+        assert figures["diff"] <= 2 * LR + 1e-6, (name, figures)
+        assert figures["far"] <= 0.01, (name, figures)
+
+
+def test_shims_are_off_on_the_gpu(got) -> None:
+    """The CPU shims patch megatron-core only without CUDA; here none may be in effect."""
+    assert got["shims"]["applied"] is False
+    assert got["shims"]["cuda_synchronize"].startswith("torch.cuda")
 
 
 def test_thd_rows_match_the_block_mask(got) -> None:

@@ -471,6 +471,13 @@ class MegatronActor(PolicyTrainActor):
             "transformer_impl": self.transformer_impl,
         }
 
+    def _backend_rng_state(self) -> dict[str, Any]:
+        return {"megatron_tracker": mmodel.rng_tracker_states()}
+
+    def _set_backend_rng_state(self, rng: dict[str, Any]) -> None:
+        if "megatron_tracker" in rng:  # older checkpoints: streams stay as seeded
+            mmodel.set_rng_tracker_states(rng["megatron_tracker"])
+
     def _check_optimizer_layout(self, folder: Path, extra: dict[str, Any]) -> None:
         """Refuse an optimizer state this run cannot read: megatron-core's distributed
         optimizer and torch AdamW save different layouts, and the former only re-splits

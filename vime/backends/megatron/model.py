@@ -101,6 +101,33 @@ def init_model_parallel(
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def rng_tracker_states() -> dict[str, torch.Tensor]:
+    """Copies of megatron's named RNG streams (attention dropout draws from them).
+
+    ``init_model_parallel`` reseeds them from the seed, so a resumed run that did not
+    restore them would replay the first dropout masks instead of the next ones.
+    """
+    states = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return {
+        name: state.get_state() if isinstance(state, torch.Generator) else state.clone()
+        for name, state in states.items()
+    }
+
+
+def set_rng_tracker_states(states: dict[str, torch.Tensor]) -> None:
+    """Restore streams captured by ``rng_tracker_states`` into the live tracker."""
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    live = tracker.get_states()
+    if set(live) != set(states):
+        raise RuntimeError(f"megatron RNG streams {sorted(states)} saved, {sorted(live)} live")
+    for name, state in states.items():
+        if isinstance(live[name], torch.Generator):  # CUDA-graph-safe tracker
+            live[name].set_state(state)
+        else:
+            live[name] = state.clone()
+    tracker.set_states(live)
+
+
 def destroy_model_parallel() -> None:
     """Undo ``init_model_parallel`` (megatron's groups, then the default group)."""
     parallel_state.destroy_model_parallel()

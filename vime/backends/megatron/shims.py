@@ -191,10 +191,11 @@ def _shim_grad_clip() -> None:
     semantics: the p-norm over the given gradients, summed (or maxed) over the
     DTensor data-parallel group and then ``grad_stats_parallel_group``, returned as
     a float; clipping scales fp32 gradients in place when ``max_norm / (norm + 1e-6)``
-    is below 1. Patched in ``clip_grads`` and in the optimizer modules that imported
-    the functions by name.
+    is below 1. Patched in ``clip_grads`` and in ``optimizer.optimizer``, which imported
+    them by name (its ``MegatronOptimizer.get_grad_norm`` / ``clip_grad_norm`` are what
+    the distributed optimizer calls).
     """
-    from megatron.core.optimizer import clip_grads, layer_wise_optimizer
+    from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
 
@@ -255,10 +256,9 @@ def _shim_grad_clip() -> None:
         "get_grad_norm_fp32": get_grad_norm_fp32,
         "clip_grad_by_total_norm_fp32": clip_grad_by_total_norm_fp32,
     }
-    for module in (clip_grads, moptimizer, layer_wise_optimizer):
+    for module in (clip_grads, moptimizer):  # vime builds no other megatron optimizer
         for name, fn in replacements.items():
-            if hasattr(module, name):
-                setattr(module, name, fn)
+            setattr(module, name, fn)
 
 
 # ----- pipeline parallelism ------------------------------------------------------------------
@@ -386,29 +386,27 @@ def _cpu_tensors_named_as_cuda() -> contextlib.AbstractContextManager[None]:
 
 
 def _shim_optimizer_type_checks() -> None:
-    """Construct ``DistributedOptimizer`` and ``Float16OptimizerWithFloat16Params`` with
-    CPU parameters.
+    """Construct ``DistributedOptimizer`` with CPU parameters.
 
-    Covers their ``__init__``: ``DistributedOptimizer._build_model_and_main_param_groups``
-    and ``Float16OptimizerWithFloat16Params.__init__`` sort parameters by
-    ``param.type()`` against ``'torch.cuda.HalfTensor'``, ``'torch.cuda.BFloat16Tensor'``
-    and ``'torch.cuda.FloatTensor'`` and raise ``TypeError`` for anything else, and
-    ``DistributedOptimizer.__init__`` marks 16-bit parameters by the same names. Only
-    during those constructors does a CPU float tensor report its CUDA type name; the
-    dtype is what the checks mean, and the dtype is unchanged.
+    Covers its ``__init__``: ``DistributedOptimizer._build_model_and_main_param_groups``
+    sorts parameters by ``param.type()`` against ``'torch.cuda.HalfTensor'``,
+    ``'torch.cuda.BFloat16Tensor'`` and ``'torch.cuda.FloatTensor'`` and raises
+    ``TypeError`` for anything else, and ``DistributedOptimizer.__init__`` marks 16-bit
+    parameters by the same names. Only during that constructor does a CPU float tensor
+    report its CUDA type name; the dtype is what the checks mean, and it is unchanged.
+    (megatron-core's non-distributed ``Float16OptimizerWithFloat16Params`` has the same
+    checks; vime never builds it: without the flag it runs torch AdamW.)
     """
     from megatron.core.optimizer import distrib_optimizer
-    from megatron.core.optimizer import optimizer as moptimizer
 
-    classes = (distrib_optimizer.DistributedOptimizer, moptimizer.Float16OptimizerWithFloat16Params)
-    for cls in classes:
-        init = cls.__init__
-        if getattr(init, "_vime_cpu_shim", False):
-            continue
+    cls = distrib_optimizer.DistributedOptimizer
+    init = cls.__init__
+    if getattr(init, "_vime_cpu_shim", False):
+        return
 
-        def constructor(self: Any, *args: Any, _init: Any = init, **kwargs: Any) -> None:
-            with _cpu_tensors_named_as_cuda():
-                _init(self, *args, **kwargs)
+    def constructor(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _cpu_tensors_named_as_cuda():
+            init(self, *args, **kwargs)
 
-        constructor._vime_cpu_shim = True  # type: ignore[attr-defined]
-        cls.__init__ = constructor  # type: ignore[method-assign]
+    constructor._vime_cpu_shim = True  # type: ignore[attr-defined]
+    cls.__init__ = constructor  # type: ignore[method-assign]
