@@ -1,12 +1,18 @@
-"""The fsdp2 backend on real gloo process groups (CPU, fp32, tiny random Qwen3).
+"""The fsdp2 backend on real gloo process groups (CPU, fp32, tiny random Qwen3, tied
+Llama and Qwen2 with q/k/v biases).
 
 Proves: the sharded model's packed log-probs equal an unsharded model's
 per-sample log-probs; the step-0 gradient on two ranks equals a plain fp32
 computation of the same loss written here independently (entropy + KL terms,
-so it is not zero, and the test fails if it is); dp=1 and dp=2 give the same
-weights after two rollouts with KL against a reference that by then differs
-from the actor, for token-mean and seq-mean-token-mean; the reference swap
-restores the actor bit for bit; a non-finite gradient skips the step, and
+so it is not zero, and the test fails if it is); biases and 1-D weights sit in
+the optimizer's no-decay group, every matrix in the decayed one; dp=1 and dp=2
+give the same weights after two rollouts with KL against a reference that by
+then differs from the actor, for token-mean and seq-mean-token-mean; once a
+rollout has trained the actor away from the reference, the reference swap
+computes the initial weights' log-probs and restores the actor's shards bit for
+bit; ``train/lr`` is the LR schedule at the samples consumed, for global batch
+sizes 4 and 8 alike; the old policy's log-probs are recomputed with two updates
+per rollout and skipped with one; a non-finite gradient skips the step, and
 ``train/grad_norm`` is the mean over the steps taken (absent when none was, never a
 0 for the skipped one); save -> new processes -> load -> continue equals the
 uninterrupted run bitwise; the HF export loads in transformers with the same
@@ -16,14 +22,19 @@ publishes and exports bf16 (buckets, safetensors and config.json).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from actor_harness import VOCAB, actor_args, make_batch, spawn
-from tiny_models import save_tiny, tiny_llama_config, tiny_qwen3_config
+from tiny_models import save_tiny, tiny_llama_config, tiny_qwen2_config, tiny_qwen3_config
 
+from vime.backends.optim import LRSchedule
 from vime.data.batch import RolloutBatch, schedule
+
+# Four rollouts of 8 samples under a warmup + cosine schedule (32 samples in all).
+LR_FLAGS = ("--num-rollout", "4", "--lr-decay-style", "cosine", "--lr-warmup-samples", "8")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +46,23 @@ def hf_dir(tmp_path_factory) -> str:
 def llama_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny_llama")
     return save_tiny(path, tiny_llama_config(VOCAB, tie=True), seed=1)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> str:
+    """Tiny Qwen2 with non-zero q/k/v biases (HF initialises biases to 0, which would leave
+    the bias path of the forward untested)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(VOCAB))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +109,43 @@ def scenario_train(actor, args, start, count: int = 2):
 
 
 def scenario_train4(actor, args, start):
-    return scenario_train(actor, args, start, count=4)
+    """Four rollouts, recording which log-prob passes ``train`` asks for (a spy that calls
+    the real method) and how many forwards the model runs, next to the micro-batches one
+    pass over a rollout takes on this rank."""
+    passes: list[str] = []
+    real = actor.compute_log_probs
+
+    def recording(sched, which):
+        passes.append(which)
+        return real(sched, which)
+
+    actor.compute_log_probs = recording
+    forwards = [0]
+
+    def count(*_):
+        forwards[0] += 1
+
+    actor.model.register_forward_pre_hook(count)
+    result = scenario_train(actor, args, start, count=4)
+    micro = [
+        sum(len(m) for m in _sched(args, rid, actor.world).plan.for_rank(actor.dp_rank))
+        for rid in range(start, start + 4)
+    ]
+    return {**result, "passes": passes, "forwards": forwards[0], "micro_per_pass": micro}
+
+
+def _decay_groups(actor) -> list[tuple[float, set[str]]]:
+    """The optimizer's groups as (weight decay, parameter names)."""
+    names = {id(p): n for n, p in actor.model.named_parameters()}
+    return [
+        (g["weight_decay"], {names[id(p)] for p in g["params"]})
+        for g in actor.optimizer.param_groups
+    ]
 
 
 def scenario_logprobs_and_grad(actor, args, start):
     sched = _sched(args, 0, actor.world)
-    before = [p.to_local().clone() for p in actor.params]
     ref = actor.compute_log_probs(sched, "ref")
-    restored = all(torch.equal(b, p.to_local()) for b, p in zip(before, actor.params, strict=True))
     own = actor.compute_log_probs(sched, "actor")
     import torch.distributed as dist
 
@@ -104,7 +161,23 @@ def scenario_logprobs_and_grad(actor, args, start):
     names, packed = metrics.to_tensor()
     dist.all_reduce(packed)
     first = MetricAccumulator.from_tensor(names, packed).means()
-    return {"logp": merged, "grads": grads, "restored": restored, "first": first}
+    # The reference swap once the actor has trained away from the reference: swapped out and
+    # back, every local shard must hold the trained actor again, bit for bit.
+    actor.optimizer.zero_grad(set_to_none=True)
+    actor.train(sched)
+    before = [p.to_local().clone() for p in actor.params]
+    ref_after = actor.compute_log_probs(sched, "ref")
+    restored = all(torch.equal(b, p.to_local()) for b, p in zip(before, actor.params, strict=True))
+    return {
+        "logp": merged,
+        "grads": grads,
+        "first": first,
+        "restored": restored,
+        "ref": ref,
+        "ref_after": ref_after,
+        "actor_after": actor.compute_log_probs(sched, "actor"),
+        "decay_groups": _decay_groups(actor),
+    }
 
 
 def scenario_nan(actor, args, start):
@@ -205,16 +278,20 @@ def _reference_loss(model, batch: RolloutBatch, indices, args) -> torch.Tensor:
     return loss / total_tokens
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama_tied"])
-def test_logprobs_gradient_and_reference_swap(arch, hf_dir, llama_dir, tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3", "llama_tied", "qwen2"])
+def test_logprobs_gradient_and_reference_swap(arch, hf_dir, llama_dir, qwen2_dir, tmp_path) -> None:
+    """Per-sample log-probs, the step-0 gradient, the decay groups and, after a rollout of
+    training, the reference swap (restores the actor's shards bit for bit, and computes
+    the initial weights' log-probs, not the actor's) for Qwen3, tied Llama and Qwen2."""
     from transformers import AutoModelForCausalLM
 
-    hf_dir = hf_dir if arch == "qwen3" else llama_dir
+    hf_dir = {"qwen3": hf_dir, "llama_tied": llama_dir, "qwen2": qwen2_dir}[arch]
     args = actor_args(hf_dir, 2)
     got = run("logprobs_and_grad", args, 2, tmp_path)
-    assert got["restored"], "reference swap did not restore the actor bit for bit"
     assert got["first"]["ppo_kl"] == 0.0 and got["first"]["clipfrac"] == 0.0
+    _check_reference_swap(got)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    _check_decay_groups(got["decay_groups"], model, args.weight_decay, arch)
     batch = make_batch(0)
     for i, logp in got["logp"].items():
         ids = torch.tensor([batch.tokens[i]])
@@ -231,6 +308,27 @@ def test_logprobs_gradient_and_reference_swap(arch, hf_dir, llama_dir, tmp_path)
     assert ref_norm > 1e-3, "reference gradient is zero: the comparison would prove nothing"
     for name, param in model.named_parameters():
         torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-4, atol=1e-6)
+
+
+def _check_reference_swap(got: dict) -> None:
+    assert got["restored"], "reference swap did not restore the trained actor bit for bit"
+    assert got["ref_after"].keys() == got["ref"].keys() == got["actor_after"].keys()
+    for i, ref in got["ref"].items():
+        # Still the initial weights, computed the same way: exactly the step-0 numbers.
+        assert torch.equal(got["ref_after"][i], ref), i
+    moved = max(float((got["actor_after"][i] - r).abs().max()) for i, r in got["ref"].items())
+    assert moved > 1e-4, f"the trained actor's log-probs are the reference's (moved {moved})"
+
+
+def _check_decay_groups(groups, model, weight_decay: float, arch: str) -> None:
+    """Biases and 1-D weights in the no-decay group, every matrix decayed (names and shapes
+    from the unsharded HF model, since the actor's parameters are DTensor shards)."""
+    no_decay = {n for n, p in model.named_parameters() if n.endswith(".bias") or p.ndim <= 1}
+    decay = {n for n, _ in model.named_parameters()} - no_decay
+    assert dict(groups) == {weight_decay: decay, 0.0: no_decay}
+    biases = {n for n in no_decay if n.endswith(".bias")}
+    expected = {f"model.layers.{i}.self_attn.{x}_proj.bias" for i in (0, 1) for x in "qkv"}
+    assert biases == (expected if arch == "qwen2" else set()), biases
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
@@ -250,7 +348,9 @@ def test_dp1_equals_dp2(hf_dir, tmp_path, mode) -> None:
 def test_non_finite_gradient_skips_step(hf_dir, tmp_path) -> None:
     got = run("nan", actor_args(hf_dir, 2), 2, tmp_path)
     assert got["metrics"]["train/skipped_steps"] == 1.0
-    assert "train/grad_norm" not in got["metrics"], "no step taken, yet a grad norm was logged"
+    assert math.isnan(got["metrics"]["train/grad_norm"]), (
+        "no step taken, yet a grad norm was logged"
+    )
     for name, w in got["before"].items():
         assert torch.equal(got["after"][name], w), name
     skipped, taken = sorted(got["steps"], key=lambda r: not r.skipped)
@@ -260,14 +360,68 @@ def test_non_finite_gradient_skips_step(hf_dir, tmp_path) -> None:
     assert got["mixed"]["train/grad_norm"] == pytest.approx(taken.grad_norm, rel=1e-12)
 
 
-def test_resume_equals_uninterrupted(hf_dir, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def two_steps_a_rollout(hf_dir, tmp_path_factory) -> dict:
+    """Four rollouts on 2 ranks, global batch 4: two optimizer steps per rollout."""
+    args = actor_args(hf_dir, 2, *LR_FLAGS)
+    return {"args": args, **run("train4", args, 2, tmp_path_factory.mktemp("steps2"))}
+
+
+@pytest.fixture(scope="module")
+def one_step_a_rollout(hf_dir, tmp_path_factory) -> dict:
+    """The same 32 samples on 1 rank with global batch 8: one optimizer step per rollout."""
+    args = actor_args(hf_dir, 1, *LR_FLAGS, "--global-batch-size", "8")
+    return {"args": args, **run("train4", args, 1, tmp_path_factory.mktemp("steps1"))}
+
+
+def test_lr_follows_the_samples_consumed(two_steps_a_rollout, one_step_a_rollout) -> None:
+    """``train/lr`` (a rollout's mean over its steps) is ``LRSchedule`` over the run's
+    4 x 8 samples, taken at the samples consumed after each step: at 4 and 8 in rollout 0
+    with global batch 4, at 8 with global batch 8. Stepping the schedule by the step count
+    (1, 2, ...) instead, or sizing it by another total, gives other numbers in the warmup
+    and in the decay."""
+    for run_, batch in ((two_steps_a_rollout, 4), (one_step_a_rollout, 8)):
+        args = run_["args"]
+        sched = LRSchedule(
+            lr=args.lr,
+            min_lr=args.min_lr,
+            decay_style="cosine",
+            warmup_samples=8,
+            total_samples=4 * 8,
+        )
+        for rollout, metrics in enumerate(run_["metrics"]):
+            ends = range(8 * rollout + batch, 8 * rollout + 8 + 1, batch)
+            expected = sum(sched(s) for s in ends) / len(ends)
+            assert metrics["train/lr"] == pytest.approx(expected, rel=1e-9), (batch, rollout)
+    by_batch = [
+        [m["train/lr"] for m in r["metrics"]] for r in (two_steps_a_rollout, one_step_a_rollout)
+    ]
+    # The schedule moves (warmup, then decay), and the batch size shows in the means.
+    assert len(set(by_batch[1])) == 4 and by_batch[0][0] < by_batch[1][0]
+
+
+def test_pi_old_is_recomputed_only_with_several_steps_a_rollout(
+    two_steps_a_rollout, one_step_a_rollout
+) -> None:
+    """With one update per rollout the old policy is the current one: ``train`` computes
+    the reference log-probs but no actor pass, so each rollout runs the model over its
+    micro-batches twice (reference, update), and the ratio is exactly 1. With two updates
+    it recomputes the actor's log-probs first: three times."""
+    for run_, actor_pass in ((one_step_a_rollout, False), (two_steps_a_rollout, True)):
+        assert run_["passes"] == (["ref", "actor"] if actor_pass else ["ref"]) * 4
+        per_rollout = 3 if actor_pass else 2
+        assert run_["forwards"] == per_rollout * sum(run_["micro_per_pass"])
+    for metrics in one_step_a_rollout["metrics"]:
+        assert metrics["train/ppo_kl"] == 0.0 and metrics["train/clipfrac"] == 0.0
+
+
+def test_resume_equals_uninterrupted(hf_dir, two_steps_a_rollout, tmp_path) -> None:
     ckpt = str(tmp_path / "ckpt")
-    common = ("--num-rollout", "4", "--lr-decay-style", "cosine", "--lr-warmup-samples", "8")
-    whole = run("train4", actor_args(hf_dir, 2, *common), 2, tmp_path)
-    first = run("save", actor_args(hf_dir, 2, *common, "--save", ckpt), 2, tmp_path)
+    whole = two_steps_a_rollout  # the uninterrupted run: rollouts 0 to 3
+    first = run("save", actor_args(hf_dir, 2, *LR_FLAGS, "--save", ckpt), 2, tmp_path)
     # New processes: load the checkpoint of rollout 1 and run rollouts 2 and 3.
     resumed = run(
-        "train", actor_args(hf_dir, 2, *common, "--load", ckpt, "--save", ckpt), 2, tmp_path
+        "train", actor_args(hf_dir, 2, *LR_FLAGS, "--load", ckpt, "--save", ckpt), 2, tmp_path
     )
     assert resumed["start"] == 2
     assert first["metrics"] == whole["metrics"][:2]

@@ -3,17 +3,20 @@
 Proves that decoder blocks are found from ``_no_split_modules`` or named
 explicitly, that a model with no recognisable block fails instead of silently
 training unsharded, and so does a misspelt ``--fsdp-block-classes`` name next to a
-valid one (the error names it and the model's blocks); that the root-group check
+valid one (the error names it and the model's blocks); that nested block classes
+(a decoder layer and its MLP) shard as nested groups and compute the unsharded
+model's logits and gradient on 2 ranks; that the root-group check
 names a trainable parameter left outside every ``fully_shard`` group in a
 multi-rank run, and that ``shard_model`` really runs it (with its root group
 left out, sharding fails on the embeddings); that ``--fsdp-cpu-offload``
 materializes the shards on the host and only the buffers on the device; and that
 ``auto`` attention is vime's per-sample ``varlen_sdpa`` without flash-attention
 (registered with transformers, so a model builds with it), ``sdpa`` for a model
-with sliding-window layers, and an explicit choice is kept; and that only rank 0
-reads the checkpoint's weights (rank 1, given a folder with no weight file, builds on
-the meta device and receives its shards), which arrive as fp32 master weights from a
-bf16 checkpoint, with rank 0's non-persistent buffers.
+with sliding-window layers, and an explicit choice is kept, while where
+flash-attention is usable ``auto`` is ``flash_attention_2`` for bf16 compute;
+and that only rank 0 reads the checkpoint's weights (rank 1, given a folder with no
+weight file, builds on the meta device and receives its shards), which arrive as fp32
+master weights from a bf16 checkpoint, with rank 0's non-persistent buffers.
 """
 
 from __future__ import annotations
@@ -94,10 +97,64 @@ def test_auto_attention_without_flash_attention() -> None:
     assert resolve_attn_implementation("sdpa", cpu, fp32, tiny_qwen3_config()) == "sdpa"
 
 
+def test_auto_attention_picks_flash_attention_where_usable(monkeypatch) -> None:
+    """Where ``has_flash_attn`` says yes (a GPU with flash-attn, as transformers checks it),
+    ``auto`` resolves to ``flash_attention_2`` for bf16 compute, sliding-window layers
+    included (flash-attention handles the window); fp32 compute, which flash-attention
+    cannot run, still gets ``varlen_sdpa``, and an explicit choice is kept."""
+    from vime import device as vime_device
+
+    monkeypatch.setattr(vime_device, "has_flash_attn", lambda: True)
+    gpu, bf16, fp32 = torch.device("cuda", 0), torch.bfloat16, torch.float32
+    sliding = Qwen2Config(
+        use_sliding_window=True, sliding_window=16, max_window_layers=1, num_hidden_layers=2
+    )
+    for config in (tiny_qwen3_config(), sliding):
+        assert resolve_attn_implementation("auto", gpu, bf16, config) == "flash_attention_2"
+    assert resolve_attn_implementation("auto", gpu, fp32, tiny_qwen3_config()) == "varlen_sdpa"
+    assert resolve_attn_implementation("sdpa", gpu, bf16, tiny_qwen3_config()) == "sdpa"
+
+
+def _nested_blocks(mesh, kwargs: dict, rank: int, world: int) -> dict:
+    """``shard_model`` with a block class inside another (decoder layer and its MLP), then
+    a forward and backward of a different sequence on each rank, next to an unsharded twin
+    that runs every rank's sequence and backpropagates their summed loss."""
+    import copy
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from vime.backends.fsdp2 import model as fsdp_model
+
+    torch.manual_seed(4)
+    plain = _tiny()
+    sharded = copy.deepcopy(plain)
+    nested = {**kwargs, "block_classes": "Qwen3DecoderLayer,Qwen3MLP"}
+    fsdp_model.shard_model(sharded, mesh, **nested)
+    ids = torch.randint(0, 64, (world, 1, 7), generator=torch.Generator().manual_seed(5))
+
+    def loss_of(logits: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits[0, :-1], row[0, 1:])
+
+    logits = sharded(input_ids=ids[rank]).logits
+    loss_of(logits, ids[rank]).backward()
+    plain_logits = [plain(input_ids=row).logits for row in ids]
+    sum(loss_of(lg, row) for lg, row in zip(plain_logits, ids, strict=True)).backward()
+    layer = sharded.model.layers[0]
+    return {
+        "groups": (isinstance(layer, FSDPModule), isinstance(layer.mlp, FSDPModule)),
+        "logits": (logits.detach(), plain_logits[rank].detach()),
+        "grads": {
+            n: (p.grad.full_tensor(), q.grad)
+            for (n, p), q in zip(sharded.named_parameters(), plain.parameters(), strict=True)
+        },
+    }
+
+
 def _job_shard_and_load(rank: int, world: int, weights_dir: str, config_dir: str) -> dict:
-    """On 2 ranks: ``shard_model`` as is, then with its root ``fully_shard`` skipped; then
-    ``load_sharded_model`` with rank 0 given the checkpoint and rank 1 a copy of its
-    ``config.json`` alone. Every rank's local shards and buffers, gathered to rank 0."""
+    """On 2 ranks: ``shard_model`` as is, with nested block classes, and with its root
+    ``fully_shard`` skipped; then ``load_sharded_model`` with rank 0 given the checkpoint
+    and rank 1 a copy of its ``config.json`` alone. Every rank's local shards and buffers,
+    gathered to rank 0."""
     import torch.distributed as dist
 
     from vime.backends.fsdp2 import model as fsdp_model
@@ -112,6 +169,7 @@ def _job_shard_and_load(rank: int, world: int, weights_dir: str, config_dir: str
         cpu_offload=False,
     )
     fsdp_model.shard_model(_tiny(), mesh, **kwargs)  # the root group claims the rest
+    nested = _nested_blocks(mesh, kwargs, rank, world)
     model = _tiny()
     real = fsdp_model.fully_shard
 
@@ -140,7 +198,7 @@ def _job_shard_and_load(rank: int, world: int, weights_dir: str, config_dir: str
     }
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
-    return {"error": error, "ranks": ranks}
+    return {"error": error, "ranks": ranks, "nested": nested}
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +211,18 @@ def shard_and_load(tmp_path_factory) -> dict:
     shutil.copy(tmp / "weights" / "config.json", tmp / "config_only" / "config.json")
     got = spawn(_job_shard_and_load, 2, tmp, str(tmp / "weights"), str(tmp / "config_only"))
     return {"dir": tmp, **got}
+
+
+def test_nested_block_classes_shard_and_train_as_unsharded(shard_and_load) -> None:
+    """``--fsdp-block-classes Qwen3DecoderLayer,Qwen3MLP``: the MLP inside each decoder
+    layer is a group of its own (not claimed first by its layer's), and the sharded model's
+    logits and its gradient (summed over both ranks' sequences) are the unsharded model's."""
+    got = shard_and_load["nested"]
+    assert got["groups"] == (True, True)
+    torch.testing.assert_close(*got["logits"], atol=1e-5, rtol=1e-5)
+    assert max(float(plain.abs().max()) for _, plain in got["grads"].values()) > 1e-3
+    for name, (sharded, plain) in got["grads"].items():
+        torch.testing.assert_close(sharded, plain, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_shard_model_fails_fast_without_a_root_group(shard_and_load) -> None:

@@ -12,7 +12,8 @@ processes, hybrid with shard size 2 splits every tensor within each group,
 replicates it across the two, and updates as ``full`` does;
 ``--fsdp-param-dtype bfloat16`` computes in bf16 (weights in use, activations,
 log-probs within bf16 precision of fp32) over fp32 shards, gradients and AdamW
-moments, and ``--fsdp-reduce-dtype`` is the dtype the gradients are summed in;
+moments, and ``--fsdp-reduce-dtype`` is the dtype the gradients are summed in,
+while ``float16`` (no loss scaling in vime) is refused for both at parse time;
 ``sleep``/``wake_up`` leave a CPU run untouched, and the host stash that sleep
 uses on CUDA frees every storage in place and restores it bit for bit; a save
 killed between its writes and its commit leaves the previous checkpoint
@@ -366,6 +367,20 @@ def test_bf16_param_dtype_computes_in_bf16_over_fp32_masters(modes, mode) -> Non
     err = sum(float((got["grads"][n] - g).square().sum()) for n, g in full["grads"].items())
     norm = sum(float(g.square().sum()) for g in full["grads"].values())
     assert 1e-4 < (err / norm) ** 0.5 < 0.05, (err / norm) ** 0.5
+
+
+@pytest.mark.parametrize("flag", ["--fsdp-param-dtype", "--fsdp-reduce-dtype"])
+def test_float16_is_refused_at_parse_time(flag) -> None:
+    """vime has no loss scaler, so fp16 gradients would underflow unnoticed: ``float16``
+    fails the parse with one line that says why and names bf16 instead (which parses)."""
+    from vime.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError) as refused:
+        parse_args([flag, "float16"])
+    message = str(refused.value)
+    assert "\n" not in message and flag in message
+    assert "loss scaling" in message and f"{flag} bfloat16" in message
+    assert getattr(parse_args([flag, "bfloat16"]), flag[2:].replace("-", "_")) == "bfloat16"
 
 
 def test_reduce_dtype_is_the_dtype_gradients_are_summed_in(modes) -> None:

@@ -12,6 +12,8 @@ sums each name over the ranks that have it.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -117,6 +119,17 @@ def test_zero_weight_name_is_omitted_but_kept_for_reduction():
     assert acc.to_tensor()[0] == ["dual_clipfrac", "reward"]
     assert MetricAccumulator().means() == {}
     assert MetricAccumulator().to_tensor()[1].numel() == 0
+
+
+def test_zero_weight_name_can_be_given_a_value():
+    """``means(empty=...)``: a registered name nothing measured keeps its key (the train
+    metrics of a rollout whose every reward failed still have every key)."""
+    acc = MetricAccumulator()
+    acc.add_tokens("entropy", torch.ones(2, 3), torch.zeros(2, 3))
+    acc.add_samples("reward", torch.tensor([2.0]))
+    means = acc.means(empty=math.nan)
+    assert sorted(means) == ["entropy", "reward"]
+    assert math.isnan(means["entropy"]) and means["reward"] == 2.0
 
 
 def test_nan_at_masked_positions_is_ignored():

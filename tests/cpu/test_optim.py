@@ -51,9 +51,27 @@ def test_schedule_values() -> None:
 
 
 def test_schedule_counts_samples_not_steps() -> None:
-    sched = LRSchedule(lr=1.0, decay_style="linear", total_samples=256)
-    # 4 steps of 32 samples and 2 steps of 64 samples end at the same rate.
-    assert sched(4 * 32) == sched(2 * 64) == pytest.approx(0.5)
+    """Warmup (64 samples) then cosine to 0.1 over 256 samples, read as the actors read it:
+    at the samples consumed after each step. Steps of 32 and of 64 samples get the
+    documented value at every point they reach, so the same sample count gets the same
+    rate whatever the batch; the k-th steps of the two runs get different rates (a schedule
+    counted in steps would give them the same). The actors' wiring is tested in
+    test_fsdp2_actor.py (test_lr_follows_the_samples_consumed)."""
+    sched = LRSchedule(
+        lr=1.0, min_lr=0.1, decay_style="cosine", warmup_samples=64, total_samples=256
+    )
+
+    def documented(s: int) -> float:
+        if s <= 64:
+            return s / 64
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 64) / 192))
+
+    for batch in (32, 64):
+        for step in range(1, 256 // batch + 1):
+            s = step * batch
+            assert sched(s) == pytest.approx(documented(s), rel=1e-12, abs=1e-12), (batch, s)
+    assert [sched(32 * k) for k in (1, 2, 5, 8)] == pytest.approx([0.5, 1.0, 0.55, 0.1])
+    assert [sched(64 * k) for k in (1, 2)] != pytest.approx([sched(32 * k) for k in (1, 2)])
 
 
 def _model_with_grads(scale: float) -> torch.nn.Linear:

@@ -6,7 +6,7 @@ head_dim 32 (vLLM's CPU attention needs head_dim >= 32).
 
 from __future__ import annotations
 
-from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 SHAPE = dict(
     hidden_size=64,
@@ -32,6 +32,11 @@ def tiny_qwen3_config(vocab_size: int = 64, *, tie: bool = False) -> Qwen3Config
 
 def tiny_llama_config(vocab_size: int = 64, *, tie: bool = False) -> LlamaConfig:
     return LlamaConfig(vocab_size=vocab_size, tie_word_embeddings=tie, **SHAPE)
+
+
+def tiny_qwen2_config(vocab_size: int = 64) -> Qwen2Config:
+    """Qwen2: biases on the q/k/v projections (Qwen3 and Llama have none)."""
+    return Qwen2Config(vocab_size=vocab_size, **SHAPE)
 
 
 def save_tiny(path: str, config: PretrainedConfig, seed: int) -> str:

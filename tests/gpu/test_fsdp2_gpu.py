@@ -5,13 +5,18 @@ AdamW moments leave the device) and ``wake_up`` puts every shard and moment
 back bit for bit, after which a training step runs; packed log-probs equal
 per-sample log-probs (one sample a row) within bf16 rounding, while the same
 row with position ids that do not restart — samples attending to each other —
-lands far outside that tolerance, so the tolerance cannot hide a packing bug.
-Skipped without CUDA (``conftest.py``).
+lands far outside that tolerance, so the tolerance cannot hide a packing bug;
+``--attn-implementation auto`` picks ``flash_attention_2`` when flash-attn is
+importable (``varlen_sdpa`` otherwise); ``--fsdp-cpu-offload`` keeps the shards
+(pinned) and AdamW moments on the host yet trains two rollouts to the loss and
+gradient norm of a run that keeps them on the GPU. Skipped without CUDA
+(``conftest.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import random
 from pathlib import Path
@@ -31,6 +36,13 @@ VOCAB = 512
 # shape was 0.006, while letting the packed samples attend to each other moved log-probs by
 # more than 0.5. 0.05 is ~6 such steps: room for GPU kernels, far below a leak.
 LOGP_ATOL = 0.05
+# CPU offload computes with the same bf16 weights, gathered from host shards instead of
+# device shards; only AdamW (on the host there, on the GPU here) and the grad-norm sum run
+# different fp32 kernels. An fp32 ulp of difference in a master weight flips its bf16
+# rounding only next to a rounding boundary, so the later steps' loss and norm move by far
+# less than one bf16 step (relative 2**-8), while a lost or stale update shifts every weight
+# by an AdamW step (~lr = 1e-3 against an init scale of 0.02).
+OFFLOAD_RTOL = 2**-8
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +64,7 @@ def hf_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def _args(hf: str):
+def _args(hf: str, *extra: str):
     from vime.config import parse_args
 
     return parse_args(
@@ -61,8 +73,17 @@ def _args(hf: str):
             *("--actor-num-gpus-per-node", "1", "--fsdp-param-dtype", "bfloat16"),
             *("--rollout-batch-size", "4", "--n-samples-per-prompt", "2"),
             *("--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3"),
+            *extra,
         ]
     )
+
+
+def _flash_attn_importable() -> bool:
+    try:
+        importlib.import_module("flash_attn")
+    except ImportError:
+        return False
+    return True
 
 
 def _batch(rollout_id: int):
@@ -79,12 +100,12 @@ def _batch(rollout_id: int):
     return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
 
 
-def _schedule(batch, micro_batch_size: int):
+def _schedule(batch, micro_batch_size: int, steps: int = 1):
     from vime.data.batch import schedule
 
     return schedule(
         batch,
-        global_batch_size=len(batch),
+        global_batch_size=len(batch) // steps,
         dp_size=1,
         micro_batch_size=micro_batch_size,
     )
@@ -110,6 +131,30 @@ def _state_tensors(actor) -> list[torch.Tensor]:
     for state in actor.optimizer.state.values():
         tensors += [v.to_local() for k, v in state.items() if k != "step"]
     return tensors
+
+
+def _offload_vs_resident(hf: str) -> dict:
+    """Two fresh actors, one with ``--fsdp-cpu-offload``, train the same two rollouts (two
+    optimizer steps each): their metrics and where their shards and AdamW moments live."""
+    from vime.backends.fsdp2.actor import FSDP2Actor
+
+    runs = {}
+    for name, extra in (("resident", ()), ("offload", ("--fsdp-cpu-offload",))):
+        actor = FSDP2Actor()
+        actor.init(_args(hf, *extra))
+        metrics = [
+            actor.train(_schedule(_batch(rid), micro_batch_size=2, steps=2)) for rid in (0, 1)
+        ]
+        runs[name] = {
+            "metrics": metrics,
+            "state_devices": {t.device.type for t in _state_tensors(actor)},
+            # FSDP2 pins host shards (CPUOffloadPolicy(pin_memory=True) on a GPU run) so the
+            # per-block copies to the device are DMA transfers; AdamW's moments are not.
+            "pinned": all(p.to_local().is_pinned() for p in actor.params),
+        }
+        del actor
+        torch.cuda.empty_cache()
+    return runs
 
 
 def _worker(rank: int, port: int, hf: str, out: str) -> None:
@@ -140,10 +185,14 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
     metrics = actor.train(_schedule(_batch(1), micro_batch_size=2))
     after = _state_tensors(actor)
     moved = any(not torch.equal(t.cpu(), s) for t, s in zip(after, snapshot, strict=True))
+    attn = actor.model.config._attn_implementation
 
     torch.save(
         {
             "device": str(actor.device),
+            "attn": attn,
+            "flash_importable": _flash_attn_importable(),
+            "offload": _offload_vs_resident(hf),
             "packed": packed,
             "single": single,
             "leaky": leaky,
@@ -188,3 +237,23 @@ def test_packed_log_probs_match_per_sample_in_bf16(got) -> None:
         if i > 0:  # the first sample of the row sees nothing before it either way
             leak = max(leak, float((got["leaky"][i] - single).abs().max()))
     assert leak > 4 * LOGP_ATOL, f"cross-sample attention moved log-probs by only {leak}"
+
+
+def test_auto_attention_is_flash_attention_when_installed(got) -> None:
+    """bf16 compute on a GPU: flash-attention whenever the package imports."""
+    expected = "flash_attention_2" if got["flash_importable"] else "varlen_sdpa"
+    assert got["attn"] == expected, (got["attn"], got["flash_importable"])
+
+
+def test_cpu_offload_trains_as_the_resident_run(got) -> None:
+    """Two rollouts of two steps: every step after the first computes with weights the
+    previous AdamW step (host or device) produced, so a lost or stale update shows."""
+    resident, offload = got["offload"]["resident"], got["offload"]["offload"]
+    assert resident["state_devices"] == {"cuda"}
+    assert offload["state_devices"] == {"cpu"}, "--fsdp-cpu-offload left state on the GPU"
+    assert offload["pinned"], "offloaded parameter shards are not in pinned host memory"
+    pairs = zip(resident["metrics"], offload["metrics"], strict=True)
+    for rollout, (want, have) in enumerate(pairs):
+        assert have["train/skipped_steps"] == want["train/skipped_steps"] == 0.0, rollout
+        for key in ("train/loss", "train/grad_norm"):
+            assert have[key] == pytest.approx(want[key], rel=OFFLOAD_RTOL), (rollout, key)

@@ -80,12 +80,19 @@ class MetricAccumulator:
     def names(self) -> list[str]:
         return sorted(self._sums)
 
-    def means(self) -> dict[str, float]:
-        """{name: S / W} for every name with W != 0, as Python floats."""
+    def means(self, empty: float | None = None) -> dict[str, float]:
+        """{name: S / W} as Python floats; a name with W == 0 (nothing was measured: every
+        mask empty, every step skipped) is left out, or given ``empty`` when that is set."""
         names, packed = self.to_tensor(device="cpu")
         k = len(names)
         sums, weights = packed[:k].tolist(), packed[k:].tolist()
-        return {n: s / w for n, s, w in zip(names, sums, weights, strict=True) if w != 0}
+        out = {}
+        for name, s, w in zip(names, sums, weights, strict=True):
+            if w != 0:
+                out[name] = s / w
+            elif empty is not None:
+                out[name] = empty
+        return out
 
     def to_tensor(self, device: torch.device | str | None = None) -> tuple[list[str], torch.Tensor]:
         """Pack as ``(names, t)``, names sorted, t = [S₀ … S_{N−1}, W₀ … W_{N−1}] float64.

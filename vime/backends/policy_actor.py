@@ -22,6 +22,7 @@ checkpoint state (``_state`` / ``_load``).
 from __future__ import annotations
 
 import abc
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -237,13 +238,15 @@ class PolicyTrainActor(TrainActor):
             share = 1.0 / self.world
             metrics.add("loss", step_loss / self.loss_replicas, share)
             # The mean over the steps taken: a skipped step's norm is not finite and must not
-            # count as a 0 (with every step skipped the metric is absent, not 0).
+            # count as a 0 (with every step skipped the metric is NaN, not 0).
             taken = 0.0 if result.skipped else share
             metrics.add("grad_norm", taken * result.grad_norm if taken else 0.0, taken)
             metrics.add("lr", share * result.lr, share)
         # Per-micro-batch metrics are (sum, weight) pairs, so TP copies cancel in the mean;
-        # pipeline stages without the loss have none of them.
-        means = metrics.all_reduce().means()
+        # pipeline stages without the loss have none of them. A metric nothing measured
+        # (every sample's reward failed, every step skipped) is NaN, written as null, so
+        # every rollout's line has the same keys.
+        means = metrics.all_reduce().means(empty=math.nan)
         out = {f"train/{name}": value for name, value in means.items()}
         out["train/skipped_steps"] = float(skipped)
         return out
@@ -387,7 +390,8 @@ class PolicyTrainActor(TrainActor):
         partial = checkpoint.begin_save(save_dir, rollout_id, is_rank0=self.rank == 0)
         dist.barrier()
         self._write_state(partial)
-        torch.save(checkpoint.rng_state(), os.path.join(partial, f"rng_rank{self.rank}.pt"))
+        rng = {**checkpoint.rng_state(), **self._backend_rng_state()}
+        torch.save(rng, os.path.join(partial, f"rng_rank{self.rank}.pt"))
         dist.barrier()
         if self.rank == 0:
             counters = {
@@ -428,9 +432,18 @@ class PolicyTrainActor(TrainActor):
         self.loaded_extra = meta["extra"]
         return rollout_id, folder, meta
 
+    def _backend_rng_state(self) -> dict[str, Any]:
+        """Random streams the backend keeps outside the process generators (saved beside
+        them in ``rng_rank{r}.pt``, handed back to ``_set_backend_rng_state`` on load)."""
+        return {}
+
+    def _set_backend_rng_state(self, rng: dict[str, Any]) -> None:
+        """Restore what ``_backend_rng_state`` saved."""
+
     def _restore_rng(self, folder: Any) -> None:
         rng = torch.load(os.path.join(folder, f"rng_rank{self.rank}.pt"), weights_only=False)
         checkpoint.set_rng_state(rng)
+        self._set_backend_rng_state(rng)
 
 
 def _storage(tensor: torch.Tensor) -> torch.Tensor:

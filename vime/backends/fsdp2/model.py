@@ -13,6 +13,7 @@ and broadcasts the full state into everyone's shards. Non-persistent buffers
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -112,7 +113,8 @@ def shard_model(
     reshard_after_forward: bool,
     cpu_offload: bool,
 ) -> None:
-    """``fully_shard`` every decoder block, then a root group for what is left.
+    """``fully_shard`` every decoder block (innermost first), then a root group for what is
+    left.
 
     The root group claims the embeddings, final norm and lm_head: left out,
     they would stay replicated plain tensors whose gradients nobody reduces.
@@ -130,7 +132,11 @@ def shard_model(
         pin = vime_device.is_cuda(mesh.device_type)
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
     classes = find_block_classes(model, block_classes)
-    blocks = [m for m in model.modules() if isinstance(m, classes)]
+    # Descendants before ancestors (``modules()`` is pre-order): each ``fully_shard`` claims
+    # the parameters no inner group holds yet, so nested block classes (a decoder layer and
+    # its MLP) become nested FSDP2 groups. Parent first, it would take the MLP's weights and
+    # the MLP's own group would then try to shard DTensors again. Siblings keep model order.
+    blocks = [m for m in _post_order(model) if isinstance(m, classes)]
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -215,3 +221,10 @@ def load_sharded_model(
                 buf.copy_(full_buffers[name])
             dist.broadcast(buf, src=0)
     return model
+
+
+def _post_order(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``module`` and its descendants, each after all of its children."""
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
