@@ -14,4 +14,5 @@ MODEL_ARGS=(
     --rotary-base 500000
     --norm-epsilon 1e-5
     --untie-embeddings-and-output-weights
+    --no-qk-layernorm
 )

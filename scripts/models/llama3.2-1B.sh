@@ -13,4 +13,6 @@ MODEL_ARGS=(
     --vocab-size 128256
     --rotary-base 500000
     --norm-epsilon 1e-5
+    --no-qk-layernorm
+    --no-untie-embeddings-and-output-weights
 )

@@ -13,4 +13,6 @@ MODEL_ARGS=(
     --vocab-size 151936
     --rotary-base 1000000
     --norm-epsilon 1e-6
+    --no-qk-layernorm
+    --no-untie-embeddings-and-output-weights
 )

@@ -15,4 +15,5 @@ MODEL_ARGS=(
     --rotary-base 1000000
     --norm-epsilon 1e-6
     --untie-embeddings-and-output-weights
+    --no-qk-layernorm
 )

@@ -14,4 +14,5 @@ MODEL_ARGS=(
     --rotary-base 1000000
     --norm-epsilon 1e-6
     --qk-layernorm
+    --no-untie-embeddings-and-output-weights
 )

@@ -126,6 +126,14 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
             ["does not divide the 1 training ranks"],
         ),
         (
+            ["--train-backend", "megatron", "--megatron-pipeline-parallel-size", "0"],
+            ["--megatron-pipeline-parallel-size must be >= 1"],
+        ),
+        (
+            ["--train-backend", "megatron", "--megatron-sequence-parallel"],
+            ["--megatron-sequence-parallel needs --megatron-tensor-parallel-size > 1"],
+        ),
+        (
             ["--dry-run", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
             ["--rollout-num-gpus 3 is not a multiple of --rollout-num-gpus-per-engine 2"],
         ),

@@ -73,7 +73,6 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "llama3.2-3B": _hf("llama", 28, 3072, 8192, 24, 8, 128, 128256, 500000.0, 1e-05, True),
     "llama3.1-8B": _hf("llama", 32, 4096, 14336, 32, 8, 128, 128256, 500000.0, 1e-05, False),
 }
-BOOLEAN_FLAGS = {"qk_layernorm", "untie_embeddings_and_output_weights"}
 
 
 def _model_args(script: Path) -> list[str]:
@@ -110,12 +109,10 @@ def test_model_args_parse_and_match_the_hf_config(name: str, tmp_path: Path) -> 
     config = HF_CONFIGS[name]
     flags = _model_args(MODELS / f"{name}.sh")
     cfg = parse_args([*flags, "--hf-checkpoint", _checkpoint(tmp_path / name, config)])
-    for dest in set(ARCH_FLAGS) - BOOLEAN_FLAGS:
+    for dest in ARCH_FLAGS:  # booleans too, in their --no- form where off
         assert getattr(cfg, dest) is not None, f"{name}.sh does not set {ARCH_FLAGS[dest].flag}"
-    assert cfg.qk_layernorm is (True if config["model_type"] == "qwen3" else None)
-    assert cfg.untie_embeddings_and_output_weights is (
-        None if config["tie_word_embeddings"] else True
-    )
+    assert cfg.qk_layernorm is (config["model_type"] == "qwen3")
+    assert cfg.untie_embeddings_and_output_weights is (not config["tie_word_embeddings"])
 
 
 def test_model_args_of_one_model_fail_against_another(tmp_path: Path) -> None:
@@ -155,6 +152,17 @@ def test_model_args_of_one_model_fail_against_another(tmp_path: Path) -> None:
             {"tie_word_embeddings": True},
             "--untie-embeddings-and-output-weights (set) does not match the checkpoint "
             "(config.json tie_word_embeddings = true",
+        ),
+        (
+            {"untie_embeddings_and_output_weights": False},
+            {"tie_word_embeddings": False},
+            "--no-untie-embeddings-and-output-weights does not match the checkpoint "
+            "(config.json tie_word_embeddings = false)",
+        ),
+        (
+            {"qk_layernorm": False},
+            {"model_type": "qwen3"},
+            '--no-qk-layernorm does not match the checkpoint (config.json model_type = "qwen3")',
         ),
     ],
 )

@@ -412,8 +412,14 @@ def _model(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--vocab-size", type=positive_int, default=None)
     p.add_argument("--rotary-base", type=float, default=None)
     p.add_argument("--norm-epsilon", type=float, default=None)
-    p.add_argument("--qk-layernorm", action="store_true", default=None)
-    p.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    # --no-...: a recipe states both ways, so a tied checkpoint under an untied recipe
+    # (or the reverse) fails at start-up too.
+    p.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+    )
 
 
 # What ``vime-train`` with no --hf-checkpoint runs: a tiny Qwen3-shaped model built in code

@@ -154,9 +154,11 @@ def _show_flag_value(value: Any) -> str:
 
 def _mismatch_line(field: ArchField, flag_value: Any, stated: Stated) -> str:
     hint = f"; {field.hint}" if field.hint and not stated.value else ""
+    given = f"{field.flag} {_show_flag_value(flag_value)}"
+    if flag_value is False:  # the --no- form of a boolean flag
+        given = f"--no-{field.flag.removeprefix('--')}"
     return (
-        f"{field.flag} {_show_flag_value(flag_value)} does not match the checkpoint "
-        f"(config.json {stated.where} = {stated.shown}{hint})"
+        f"{given} does not match the checkpoint (config.json {stated.where} = {stated.shown}{hint})"
     )
 
 
