@@ -23,7 +23,7 @@ section() { printf '\n===== %s =====\n' "$*"; }
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
     python -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__,
         "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
-    for pkg in transformers megatron.core vllm transformer_engine flash_attn torch_memory_saver ray; do
+    for pkg in transformers megatron.core vllm transformer_engine flash_attn ray; do
         python -c "import importlib, sys; m = importlib.import_module('${pkg}');
 print('${pkg}', getattr(m, '__version__', 'present'))" 2>/dev/null || echo "${pkg} missing"
     done

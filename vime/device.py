@@ -11,11 +11,8 @@ a GPU job.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import types
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -125,21 +122,3 @@ class HostStash:
             storage.resize_(host.numel())
             _as_bytes(storage).copy_(host)
         self._parked = []
-
-
-def memory_saver() -> Any | None:
-    """torch_memory_saver's process-wide singleton on CUDA when installed, else None.
-
-    It frees the physical memory of tensors allocated inside its ``region()``
-    while keeping their addresses (``pause()`` / ``resume()``), which suits
-    engines whose buffers are captured by CUDA graphs. It needs libcuda, so on
-    CPU this is always None. The fsdp2 actor uses ``HostStash`` instead: its
-    tensors are not allocated inside a region, and no LD_PRELOAD is needed.
-    """
-    if not cuda_available() or importlib.util.find_spec("torch_memory_saver") is None:
-        return None
-    import torch_memory_saver as tms
-
-    # The singleton is ``torch_memory_saver`` in current releases, ``memory_saver`` in older ones.
-    saver = getattr(tms, "torch_memory_saver", None) or getattr(tms, "memory_saver", None)
-    return None if saver is None or isinstance(saver, types.ModuleType) else saver

@@ -14,6 +14,7 @@ a one-line ``ConfigError`` naming the address and the head's port, where
 from __future__ import annotations
 
 import os
+import re
 import socketserver
 import threading
 import time
@@ -23,7 +24,14 @@ from types import SimpleNamespace
 import pytest
 
 from vime.config import ConfigError
-from vime.ray.placement import ActorFailure, Layout, layout_of, start_ray, wait_all
+from vime.ray.placement import (
+    ActorFailure,
+    Layout,
+    label_actor,
+    layout_of,
+    start_ray,
+    wait_all,
+)
 
 
 def _args(**kw) -> SimpleNamespace:
@@ -68,6 +76,8 @@ def test_bad_counts_are_refused(kw, fragment) -> None:
 
 
 def test_wait_all_fails_fast_when_an_actor_dies() -> None:
+    """A dead actor stops the wait at once, not when its stuck peer gives up, and the
+    one-line message says which actor (``label_actor``) died or raised what."""
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -81,11 +91,26 @@ def test_wait_all_fails_fast_when_an_actor_dies() -> None:
                 time.sleep(1)
                 os._exit(3)
 
-        stuck, dying = Rank.remote(), Rank.remote()
+            def fail(self) -> None:
+                raise ValueError("bad shard 3")
+
+        stuck, dying = Rank.remote(), label_actor(Rank.remote(), "training rank 1")
         start = time.monotonic()
-        with pytest.raises(ActorFailure, match="training failed"):
+        with pytest.raises(ActorFailure) as failure:
             wait_all([stuck.block.remote(), dying.die.remote()], "training")
         assert time.monotonic() - start < 120  # bounded: far below the 600 s block
+        message = str(failure.value)
+        # Which actor, that its process died, and Ray's one-sentence reason; one line.
+        assert re.fullmatch(r"training failed: training rank 1 \(pid \d+\) died: .+\.", message)
+        assert "\n" not in message
+
+        raising = label_actor(Rank.remote(), "rollout engine 0")
+        with pytest.raises(ActorFailure) as failure:
+            wait_all([raising.fail.remote()], "generating")
+        assert str(failure.value) == "generating failed: rollout engine 0: ValueError: bad shard 3"
+        unnamed = Rank.remote()
+        with pytest.raises(ActorFailure, match=r"^generating failed: actor Rank \(pid \d+\) died"):
+            wait_all([unnamed.die.remote()], "generating")
     finally:
         ray.shutdown()
 

@@ -216,6 +216,8 @@ def wait_all(refs: list[Any], what: str) -> list[Any]:
 
     A rank that dies leaves its peers blocked in a collective; waiting on the
     refs one by one would hang there, so finished refs are checked as they land.
+    The failure's message names the actor (as ``label_actor`` called it) and what
+    happened to it: the remote exception's line, or how its process died.
     """
     pending = list(refs)
     while pending:
@@ -225,8 +227,46 @@ def wait_all(refs: list[Any], what: str) -> list[Any]:
                 ray.get(ref)
             except ray.exceptions.RayError as err:
                 detail = _ANSI_COLOUR.sub("", str(err))
-                raise ActorFailure(f"{what} failed: {_short(detail)}", detail=detail) from err
+                message = f"{what} failed: {_describe(err, detail)}"
+                raise ActorFailure(message, detail=detail) from err
     return ray.get(refs)
+
+
+# actor id (hex) -> what the run calls it ("training rank 1"); filled by ``label_actor``.
+_ACTOR_LABELS: dict[str, str] = {}
+
+
+def label_actor(handle: Any, label: str) -> Any:
+    """Name ``handle``'s actor in failure messages (``wait_all``); returns the handle."""
+    _ACTOR_LABELS[handle._actor_id.hex()] = label
+    return handle
+
+
+def _describe(err: Exception, detail: str) -> str:
+    """'<actor>: <remote exception line>', or '<actor> died (<how>)' for a dead process."""
+    actor_id = getattr(err, "actor_id", None)
+    if not isinstance(actor_id, str):
+        found = _ACTOR_ID.search(detail)
+        actor_id = found.group(1) if found else None
+    who = _ACTOR_LABELS.get(actor_id or "")
+    if isinstance(err, ray.exceptions.ActorDiedError):
+        if who is None:
+            found = _CLASS_NAME.search(detail)
+            who = f"actor {found.group(1)}" if found else "an actor"
+        pid = _PID.search(detail)
+        how = _EXIT_DETAIL.search(detail)
+        reason = how.group(1) if how else "its process died"
+        return f"{who}{f' (pid {pid.group(1)})' if pid else ''} died: {reason}"
+    return f"{who}: {_short(detail)}" if who else _short(detail)
+
+
+# Ray colours the remote actor's name in its error text; a log file wants plain text.
+_ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+_ACTOR_ID = re.compile(r"actor_id[=:] ?([0-9a-f]+)")
+_CLASS_NAME = re.compile(r"class_name: \S*?(\w+)\s")  # the last part of a dotted name
+_PID = re.compile(r"\bpid[=:] ?(\d+)")
+# "Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of ..."
+_EXIT_DETAIL = re.compile(r"Worker exit detail: (.+?\.)(?:\s|$)")
 
 
 class ActorFailure(RuntimeError):
@@ -247,10 +287,6 @@ class ActorFailure(RuntimeError):
             f.write(self.detail or str(self))
             f.write("\n")
         return ActorFailure(f"{self} (full report in {path})", detail=self.detail, log_path=path)
-
-
-# Ray colours the remote actor's name in its error text; a log file wants plain text.
-_ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _short(detail: str) -> str:

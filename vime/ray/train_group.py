@@ -19,7 +19,7 @@ import ray
 
 from vime import device as vime_device
 from vime.backends import registry
-from vime.ray.placement import Placement, wait_all
+from vime.ray.placement import Placement, label_actor, wait_all
 
 
 class TrainWorker:
@@ -120,11 +120,14 @@ class RayTrainGroup:
         remote = ray.remote(TrainWorker)
         self.world = layout.num_train
         self.workers = [
-            remote.options(
-                num_cpus=1,
-                num_gpus=(0.8 if layout.colocate else 1) if layout.use_gpu else 0,
-                scheduling_strategy=placement.strategy(rank),
-            ).remote(backend, rank, self.world)
+            label_actor(
+                remote.options(
+                    num_cpus=1,
+                    num_gpus=(0.8 if layout.colocate else 1) if layout.use_gpu else 0,
+                    scheduling_strategy=placement.strategy(rank),
+                ).remote(backend, rank, self.world),
+                f"training rank {rank}",
+            )
             for rank in range(self.world)
         ]
 
@@ -133,7 +136,7 @@ class RayTrainGroup:
         return wait_all(refs, what)
 
     def init(self, args: Any, num_threads: int) -> int:
-        master = ray.get(self.workers[0].address.remote())
+        (master,) = wait_all([self.workers[0].address.remote()], "starting the training ranks")
         starts = self._all("initializing the training ranks", "init", args, master, num_threads)
         return starts[0]
 
@@ -147,7 +150,8 @@ class RayTrainGroup:
         self._all(f"saving rollout {rollout_id}", "save", rollout_id, extra)
 
     def loaded_extra(self) -> dict[str, Any]:
-        return ray.get(self.workers[0].loaded_extra.remote())
+        (extra,) = wait_all([self.workers[0].loaded_extra.remote()], "reading the checkpoint")
+        return extra
 
     def export_hf(self, path: str) -> None:
         self._all(f"exporting to {path}", "export_hf", path)
@@ -166,7 +170,7 @@ class RayTrainGroup:
         wait_all(calls, "loading new weights into the engines")
 
     def setup_broadcast(self, engines: Any, backend: str) -> None:
-        host, port = ray.get(self.workers[0].address.remote())
+        ((host, port),) = wait_all([self.workers[0].address.remote()], "opening a port")
         world = 1 + len(engines.actors)
         refs = [self.workers[0].join_broadcast.remote(host, port, world, backend)]
         refs += [
