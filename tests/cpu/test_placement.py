@@ -87,8 +87,8 @@ def test_wait_all_fails_fast_when_an_actor_dies() -> None:
             def block(self) -> None:
                 time.sleep(600)  # a peer stuck in a collective
 
-            def die(self) -> None:
-                time.sleep(1)
+            def die(self, after_s: float = 1.0) -> None:
+                time.sleep(after_s)
                 os._exit(3)
 
             def fail(self) -> None:
@@ -108,6 +108,10 @@ def test_wait_all_fails_fast_when_an_actor_dies() -> None:
         with pytest.raises(ActorFailure) as failure:
             wait_all([raising.fail.remote()], "generating")
         assert str(failure.value) == "generating failed: rollout engine 0: ValueError: bad shard 3"
+        # A peer's collective fails first because a rank died: the death is reported.
+        peer, dead = Rank.remote(), label_actor(Rank.remote(), "training rank 3")
+        with pytest.raises(ActorFailure, match=r"^training failed: training rank 3 \(pid"):
+            wait_all([peer.fail.remote(), dead.die.remote(0.3)], "training")
         unnamed = Rank.remote()
         with pytest.raises(ActorFailure, match=r"^generating failed: actor Rank \(pid \d+\) died"):
             wait_all([unnamed.die.remote()], "generating")

@@ -16,6 +16,11 @@ CUDA-IPC receivers do, serves the new weights exactly when the stream is re-cut
 by ``WholeLayers`` -- and leaves fused layers stale when it is not (vLLM's reload
 restores any layer a call did not fully cover: the reason ``WholeLayers`` exists);
 building the engine leaves the caller's RNG alone;
+a sleeping engine refuses to generate, score or load weights (on CPU, where
+nothing is freed, too), loads weights once its weights are awake and serves once
+fully awake; an engine actor given the run's prompt + response length starts on
+a checkpoint whose 40960-token window the CPU KV cache cannot hold (left to
+itself vLLM refuses to start);
 importing the module does not import vLLM; an engine actor started by
 ``EngineGroup`` runs with ``OMP_WAIT_POLICY=PASSIVE`` even when the driver has
 ``ACTIVE`` (an idle engine then leaves its core to training: bench/engine_idle.py).
@@ -37,8 +42,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from tiny_models import tiny_qwen3_config
-from transformers import AutoModelForCausalLM
+from tiny_models import save_tiny, tiny_qwen3_config
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from vime.rollout.types import SamplingParams
 from vime.rollout.vllm_engine import VLLMEngine
@@ -288,6 +293,70 @@ def test_bucket_by_bucket_loads_need_whole_layers(setup: SimpleNamespace) -> Non
         assert served_diff() < 1e-4
     finally:
         engine.update_weights([list(setup.model.state_dict().items())], version)
+
+
+def test_a_sleeping_engine_refuses_work_until_woken(setup: SimpleNamespace) -> None:
+    """Sleep frees nothing on the CPU, yet the state is kept: a loop that syncs, scores
+    or generates on a sleeping engine fails here as it would on a GPU (where vLLM's
+    level-1 wake would put back the weights it offloaded, dropping newer ones loaded
+    while asleep). Weights awake is enough to load weights; serving needs it all."""
+    from vllm.v1.executor.abstract import SLEEP_TAGS
+
+    from vime.rollout.types import MEMORY_TAGS
+
+    # The parts woken one by one are vLLM's: a tag it had beyond these would stay asleep
+    # after a staged wake, and its scheduler would never resume.
+    assert set(MEMORY_TAGS) == set(SLEEP_TAGS)
+    engine = setup.engine
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    before = engine.generate([PROMPTS[0]], params)[0][0]
+    weights = [list(setup.model.state_dict().items())]
+    version = engine.weight_version
+    engine.sleep()
+    try:
+        for call in (
+            lambda: engine.generate([PROMPTS[0]], params),
+            lambda: engine.score(PROMPTS[1], 2, 1.0),
+            lambda: engine.update_weights(weights, version),
+        ):
+            with pytest.raises(RuntimeError, match="asleep; call wake_up"):
+                call()
+        engine.wake_up(["weights"])
+        engine.update_weights(weights, version + 1)
+        assert engine.weight_version == version + 1
+        with pytest.raises(RuntimeError, match="kv_cache asleep"):
+            engine.generate([PROMPTS[0]], params)
+    finally:
+        engine.wake_up()
+    again = engine.generate([PROMPTS[0]], params)[0][0]
+    assert again.response_ids == before.response_ids
+
+
+def test_engine_actor_starts_where_the_checkpoint_window_outgrows_the_kv_cache(
+    tmp_path: Path,
+) -> None:
+    """Qwen3-0.6B's window is 40960 tokens; a model whose KV takes 64 KiB a token needs
+    2.5 GiB for one such sequence, more than the CPU KV cache's 1 GiB, and vLLM refuses
+    to start on its own window. Given the run's prompt + response length (as the
+    trainer passes it) the engine starts with that context and serves."""
+    from vime.ray.engines import EngineActor
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=128,
+        max_position_embeddings=40960,
+    )
+    checkpoint = save_tiny(str(tmp_path / "wide"), config, seed=0)
+    actor = EngineActor("vllm", checkpoint, {"seed": 0, "max_model_len": 64 + 8})
+    llm = actor.engine._llm
+    assert llm.llm_engine.vllm_config.model_config.max_model_len == 72
+    out = actor.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert len(out[0][0].response_ids) >= 1
 
 
 def test_update_weights_with_tied_embeddings(tmp_path: Path) -> None:

@@ -5,14 +5,20 @@ transformers bf16 forward of the same weights within bf16 rounding; vLLM's sleep
 mode frees device memory and ``wake_up`` serves the same weights again; new
 weights delivered over the NCCL ``BroadcastGroup`` (training rank 0 -> engine)
 are what the engine serves afterwards; CUDA IPC handles of a bucket open in another
-process (the colocated transport) with the sender's exact values. Skipped without
-CUDA (``conftest.py``); the NCCL test needs two devices (NCCL refuses two ranks on
-one device).
+process (the colocated transport) with the sender's exact values; a whole
+``vime-train --colocate`` run (vLLM engine and fsdp2 rank on one GPU, CUDA-IPC
+sync) exits 0 with the engine serving each new version and agreeing with the
+trainer within bf16 rounding. Skipped without CUDA (``conftest.py``); the NCCL
+test needs two devices (NCCL refuses two ranks on one device).
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,3 +152,53 @@ def test_cuda_ipc_handles_open_in_another_process() -> None:
     sender.join(timeout=120)
     assert torch.equal(copies["w"].cpu(), torch.arange(12.0).view(3, 4))
     assert torch.equal(copies["b"].cpu(), torch.ones(5))
+
+
+def _embedded_bf16(folder: Path) -> str:
+    """The embedded default model and its character tokenizer, saved in bf16 (the GPU
+    regime: vLLM serves the checkpoint's dtype, fsdp2 computes in bf16 on GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from vime.data.tasks import CHARSET
+    from vime.models.embedded import write_embedded_checkpoint
+
+    path = write_embedded_checkpoint(str(folder), charset=CHARSET, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model.save_pretrained(path)  # config.json now says bfloat16; the tokenizer stays
+    return path
+
+
+def test_colocated_run_with_vllm_and_cuda_ipc(tmp_path: Path) -> None:
+    """Two rollouts of ``vime-train --colocate --rollout-engine vllm --weight-sync
+    cuda-ipc`` on one GPU: the engine sleeps (vLLM sleep mode: memory really freed)
+    while the trainer trains, wakes its weights for the CUDA-IPC sync, then its KV cache
+    for the probe and generation once the trainer sleeps. Exit 0, the engine serves
+    versions 1 and 2, and both the sampled tokens' log-probs and the probe's agree with
+    the trainer's within bf16 rounding: a stale or half-loaded weight (vLLM's wake
+    restoring the offloaded copy over new weights) would be far off."""
+    pytest.importorskip("vllm")
+    checkpoint = _embedded_bf16(tmp_path / "model")
+    script = Path(sys.executable).with_name("vime-train")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    out = tmp_path / "out"
+    flags = [
+        *("--hf-checkpoint", checkpoint, "--prompt-data", "builtin:reverse"),
+        *("--colocate", "--rollout-engine", "vllm", "--weight-sync", "cuda-ipc"),
+        *("--num-rollout", "2", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4"),
+        *("--rollout-max-prompt-len", "64", "--rollout-max-response-len", "8"),
+        *("--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024", "--lr", "3e-4"),
+        *("--seed", "7", "--output-dir", str(out)),
+    ]
+    # NVML's CUDA check leaves fork usable for vLLM's engine process (scripts/gpu-check.sh).
+    env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    result = subprocess.run(
+        [*command, *flags], capture_output=True, text=True, timeout=540, cwd=tmp_path, env=env
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "rollout engine vllm (--rollout-engine vllm)" in result.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    for row in rows:
+        assert row["weights/version"] == row["rollout_id"] + 1
+        assert row["train/train_rollout_logprob_abs_diff"] < LOGP_ATOL, row
+        assert row["weights/probe_logprob_abs_diff"] < LOGP_ATOL, row

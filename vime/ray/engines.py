@@ -10,14 +10,15 @@ one engine (``HFEngine`` or ``VLLMEngine``, both meeting
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from vime.ray.placement import Layout, Placement, wait_all
+from vime.ray.placement import Layout, Placement, label_actor, wait_all
 from vime.rollout.types import Completion, SamplingParams
 from vime.weights.buckets import WholeLayers
 
@@ -32,12 +33,21 @@ ENGINE_ENV_VARS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def resolve_engine(name: str) -> tuple[str, str]:
-    """``(engine, reason)``: ``auto`` picks vllm when importable, else hf."""
+    """``(engine, reason)``: ``auto`` picks vllm when it imports, else hf and says why
+    (an explicit ``vllm`` that does not import was refused while parsing).
+
+    Each engine actor resolves ``auto`` itself (``EngineActor``): the import is then
+    tried where the engine runs, which on a cluster need not be the driver's
+    environment, and the driver does not pay seconds to import vLLM it never uses.
+    """
     if name != "auto":
         return name, f"--rollout-engine {name}"
-    if importlib.util.find_spec("vllm") is not None:
+    from vime.rollout.vllm_engine import vllm_import_error
+
+    error = vllm_import_error()
+    if error is None:
         return "vllm", "auto: vllm is importable"
-    return "hf", "auto: vllm is not installed"
+    return "hf", f"auto: {error}"
 
 
 # The share of a GPU an engine process takes beside a training rank under --colocate.
@@ -86,6 +96,8 @@ class EngineActor:
     """One rollout engine in its own process (wrapped by ``ray.remote`` below)."""
 
     def __init__(self, kind: str, checkpoint: str, options: dict[str, Any]) -> None:
+        kind, self.reason = resolve_engine(kind)
+        self.kind = kind
         threads = options.get("num_threads")
         if threads:
             import torch
@@ -94,11 +106,13 @@ class EngineActor:
         if kind == "vllm":
             from vime.rollout.vllm_engine import VLLMEngine
 
+            config = _checkpoint_config(checkpoint)
             self.engine = VLLMEngine(
                 checkpoint,
                 tensor_parallel_size=options.get("tensor_parallel_size", 1),
                 seed=options.get("seed", 0),
-                dtype=_checkpoint_dtype(checkpoint),
+                dtype=_checkpoint_dtype(config),
+                max_model_len=engine_max_model_len(config, options.get("max_model_len")),
             )
         elif kind == "hf":
             import torch
@@ -115,6 +129,10 @@ class EngineActor:
 
     def ready(self) -> int:
         return os.getpid()
+
+    def choice(self) -> tuple[str, str]:
+        """``(engine, reason)``, as ``resolve_engine`` gave them in this process."""
+        return self.kind, self.reason
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         return self.engine.generate(prompts, params)
@@ -173,44 +191,80 @@ class EngineActor:
     def sleep(self) -> None:
         self.engine.sleep()
 
-    def wake_up(self) -> None:
-        self.engine.wake_up()
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.engine.wake_up(tags)
 
 
-def _checkpoint_dtype(checkpoint: str) -> str:
+def _checkpoint_config(checkpoint: str) -> dict[str, Any]:
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        return json.load(f)
+
+
+def _checkpoint_dtype(config: dict[str, Any]) -> str:
     """The dtype the checkpoint was saved in: vLLM's "auto" would serve an fp32 model in
     bf16 on the CPU, and its log-probs would no longer match the trainer's."""
-    import json
-
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        config = json.load(f)
     dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
     return str(dtype).removeprefix("torch.")
 
 
+# Where HF configs keep the context window (vLLM reads the same keys).
+_WINDOW_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def engine_max_model_len(config: dict[str, Any], wanted: int | None) -> int | None:
+    """The context vLLM is started with: ``wanted`` (the run's longest prompt plus its
+    longest response) where the checkpoint's window holds it, else None (vLLM's own
+    choice, the window).
+
+    Left to itself vLLM takes the checkpoint's window (40960 for Qwen3-0.6B) and
+    refuses to start when the KV cache cannot hold one sequence that long, which the
+    fixed CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``) often cannot. A run that asks
+    for more than the window gets what vLLM did before: it refuses a longer
+    ``max_model_len`` than it derives, and derives at least the window (more for
+    some rope scalings, which this does not try to reproduce).
+    """
+    if wanted is None:
+        return None
+    for scope in (config, config.get("text_config") or {}):  # multimodal: the LM's part
+        window = next((scope[k] for k in _WINDOW_KEYS if scope.get(k)), None)
+        if window is not None:
+            return wanted if wanted <= int(window) else None
+    return None
+
+
 class EngineGroup:
-    """Every rollout engine of the run; prompts are split evenly across them."""
+    """Every rollout engine of the run; prompts are split evenly across them.
+
+    ``kind`` may be ``auto``: each actor resolves it (``resolve_engine``); ``kind`` and
+    ``reason`` are then what they chose, and the group refuses engines that disagree
+    (their log-probs would not be comparable).
+    """
 
     def __init__(
         self, kind: str, checkpoint: str, placement: Placement, options: dict[str, Any]
     ) -> None:
         layout = placement.layout
         remote = ray.remote(EngineActor)
-        self.kind = kind
         self.actors = []
         for e in range(layout.num_engines):
             spec = engine_actor_spec(layout, e)
-            self.actors.append(
-                remote.options(
-                    num_cpus=spec.num_cpus,
-                    num_gpus=spec.num_gpus,
-                    scheduling_strategy=placement.strategy(
-                        spec.bundle, capture_child_tasks=spec.capture_child_tasks
-                    ),
-                    runtime_env={"env_vars": spec.env_vars},
-                ).remote(kind, checkpoint, options)
-            )
+            actor = remote.options(
+                num_cpus=spec.num_cpus,
+                num_gpus=spec.num_gpus,
+                scheduling_strategy=placement.strategy(
+                    spec.bundle, capture_child_tasks=spec.capture_child_tasks
+                ),
+                runtime_env={"env_vars": spec.env_vars},
+            ).remote(kind, checkpoint, options)
+            self.actors.append(label_actor(actor, f"rollout engine {e}"))
         wait_all([a.ready.remote() for a in self.actors], "starting the rollout engines")
+        choices = wait_all([a.choice.remote() for a in self.actors], "reading engine kinds")
+        if len({k for k, _ in choices}) > 1:
+            raise RuntimeError(
+                f"--rollout-engine {kind}: the engines chose differently ({choices}); "
+                "install vllm alike on every node or name the engine"
+            )
+        self.kind, self.reason = choices[0]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt; engine k serves the k-th contiguous chunk.
@@ -244,8 +298,10 @@ class EngineGroup:
     def sleep(self) -> None:
         wait_all([a.sleep.remote() for a in self.actors], "putting engines to sleep")
 
-    def wake_up(self) -> None:
-        wait_all([a.wake_up.remote() for a in self.actors], "waking engines")
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back what ``sleep`` freed: ``tags`` of ``vime.rollout.types.MEMORY_TAGS``,
+        or all of it."""
+        wait_all([a.wake_up.remote(tags) for a in self.actors], "waking engines")
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

@@ -226,10 +226,28 @@ def wait_all(refs: list[Any], what: str) -> list[Any]:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as err:
-                detail = _ANSI_COLOUR.sub("", str(err))
-                message = f"{what} failed: {_describe(err, detail)}"
-                raise ActorFailure(message, detail=detail) from err
+                cause = _root_cause(err, pending)
+                detail = _ANSI_COLOUR.sub("", str(cause))
+                message = f"{what} failed: {_describe(cause, detail)}"
+                raise ActorFailure(message, detail=detail) from cause
     return ray.get(refs)
+
+
+def _root_cause(first: Exception, pending: list[Any], grace_s: float = 2.0) -> Exception:
+    """``first``, unless an actor among ``pending`` died meanwhile: when a rank dies, its
+    peers' collectives fail too ("connection closed by peer"), sometimes before Ray has
+    noticed the death, and the death is what the user needs to read."""
+    if isinstance(first, ray.exceptions.ActorDiedError) or not pending:
+        return first
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.ActorDiedError as err:
+            return err
+        except ray.exceptions.RayError:
+            pass
+    return first
 
 
 # actor id (hex) -> what the run calls it ("training rank 1"); filled by ``label_actor``.

@@ -30,13 +30,13 @@ mostly wait for each other; callers that share cores may want
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from vime import device as vime_device
-from vime.rollout.types import Completion, SamplingParams
+from vime.rollout.types import Completion, SamplingParams, wake_tags
 
 
 def _token_ids(value: Any) -> set[int]:
@@ -348,20 +348,31 @@ class HFEngine:
         self.weight_version = version
 
     def sleep(self) -> None:
-        """Free accelerator memory between generations.
+        """Free accelerator memory between generations; until ``wake_up`` the engine
+        refuses to generate, score or load weights.
 
         On CUDA the model moves to host memory (weights kept, so ``wake_up``
-        needs no reload) and the allocator cache is emptied; on CPU a no-op.
+        needs no reload) and the allocator cache is emptied. On CPU nothing
+        moves, but the state is kept all the same: a caller that uses a sleeping
+        engine has its sleep/wake order wrong on every device, and should learn
+        so on the CPU rather than on its first GPU run.
         """
-        if self.device.type == "cuda" and not self._asleep:
+        if self._asleep:
+            return
+        if self.device.type == "cuda":
             self.model.to("cpu")
             vime_device.empty_cache()
-            self._asleep = True
+        self._asleep = True
 
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep`: move the model back to its device (CPU: no-op)."""
-        if self._asleep:
-            self.model.to(self.device)
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo :meth:`sleep` (``tags``: ``vime.rollout.types.MEMORY_TAGS``).
+
+        This engine keeps no KV cache between calls, so waking the weights wakes it
+        whole, and ``("kv_cache",)`` alone has nothing to bring back.
+        """
+        if self._asleep and "weights" in wake_tags(tags):
+            if self.device.type == "cuda":
+                self.model.to(self.device)
             self._asleep = False
 
     def _check_awake(self) -> None:

@@ -9,9 +9,24 @@ sampling temperature, which training compares against its own forward. The
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+# What an engine holds on its device and can free in ``sleep`` (vLLM's sleep-mode tags):
+# ``wake_up(("weights",))`` brings back only the weights, so new ones can be loaded while
+# the trainer still holds its memory; the KV cache follows once the trainer sleeps.
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def wake_tags(tags: Sequence[str] | None) -> frozenset[str]:
+    """The parts ``wake_up(tags)`` restores: all of ``MEMORY_TAGS`` for ``None``."""
+    if tags is None:
+        return frozenset(MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"unknown wake_up tags {unknown}; use {list(MEMORY_TAGS)} or None")
+    return frozenset(tags)
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,12 @@ class RolloutEngine(Protocol):
         """
         ...
 
-    def sleep(self) -> None: ...
+    def sleep(self) -> None:
+        """Free device memory; until ``wake_up`` the engine refuses to generate, score or
+        load weights (on CPU too, where nothing is freed)."""
+        ...
 
-    def wake_up(self) -> None: ...
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what ``sleep`` freed: the ``MEMORY_TAGS`` parts named, or all. Loading
+        weights needs ``weights``; generating and scoring need both."""
+        ...

