@@ -4,11 +4,12 @@ Proves: every sampled token's log-prob equals a teacher-forced forward within
 1e-5 in fp32 -- the engine's own ``score``, the trainer's packed
 ``response_log_probs`` and a plain per-sample forward -- for a batch of
 prompts of different lengths (left padding) whose rows stop at different
-steps; top-k/top-p restrict which tokens are drawn but log-probs stay over the
-full vocabulary; a seed fixes the completions whatever the batch composition
-or ``max_batch_size``, and a batch generated in two requests, the second naming
-its offset in ``first_prompt_index``, draws exactly the tokens of one request
-(what lets several engines share a batch); greedy equals argmax decoding; stop tokens and
+steps; with top-k/top-p, tokens come from the filtered set and their log-probs
+are those of the renormalised filtered distribution (as vLLM reports them); a
+seed fixes the completions whatever the batch composition or ``max_batch_size``,
+and a batch generated in two requests, the second naming its offset in
+``first_prompt_index``, draws exactly the tokens of one request (what lets
+several engines share a batch); greedy equals argmax decoding; stop tokens and
 ``max_new_tokens`` end completions with the right reason; ``update_weights``
 makes the engine serve exactly the new model and advances ``weight_version``,
 and rejects unknown names, wrong shapes and incomplete sets -- also a set sent
@@ -126,23 +127,55 @@ def test_sampled_log_probs_match_teacher_forcing_with_left_padding(engine, refer
     assert_log_probs_match(engine, reference, completions, temperature=0.8)
 
 
-def test_top_k_top_p_filter_draws_but_not_log_probs(engine, reference) -> None:
+@torch.no_grad()
+def truncated_log_probs(
+    model: torch.nn.Module, c: Completion, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """Each response token's log-prob under the distribution it was drawn from: softmax
+    at ``temperature`` over the top-k tokens, then over the smallest most-likely set of
+    those whose mass reaches ``top_p``, renormalised (written here apart from the engine's
+    ``filter_logits``)."""
+    ids = torch.tensor([c.prompt_ids + c.response_ids])
+    steps = model(input_ids=ids).logits[0].float()[len(c.prompt_ids) - 1 : -1] / temperature
+    out = []
+    for logits, token in zip(steps, c.response_ids, strict=True):
+        order = logits.argsort(descending=True)[:top_k]
+        probs = torch.softmax(logits[order], dim=-1)
+        mass, keep = 0.0, 0
+        while mass < top_p and keep < len(order):
+            mass += float(probs[keep])
+            keep += 1
+        kept = order[:keep].tolist()
+        assert token in kept, "drawn from outside the filtered set"
+        out.append(torch.log_softmax(logits[order[:keep]], dim=-1)[kept.index(token)])
+    return torch.stack(out)
+
+
+def test_top_k_top_p_log_probs_are_of_the_filtered_distribution(engine, reference) -> None:
+    """With top-k / top-p on, tokens come from the filtered set and their log-probs are
+    those of the renormalised filtered distribution (what vLLM reports too), which is
+    above the full-vocabulary log-prob the trainer computes."""
     params = SamplingParams(n=4, temperature=1.5, top_k=3, top_p=0.9, max_new_tokens=8, seed=2)
     completions = flat(engine.generate(PROMPTS, params))
-    assert_log_probs_match(engine, reference, completions, temperature=1.5)
-    with torch.no_grad():
-        for c in completions:
-            ids = torch.tensor([c.prompt_ids + c.response_ids])
-            logits = reference(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1]
-            top3 = logits.topk(3, dim=-1).indices
-            assert all(t in row.tolist() for t, row in zip(c.response_ids, top3, strict=True))
-    # top_k=1 leaves one candidate: the draw is the greedy token, the log-prob is still at T.
+    full = trainer_log_probs(reference, completions, temperature=1.5)
+    truncated = 0
+    for c, trainer in zip(completions, full, strict=True):
+        expected = truncated_log_probs(reference, c, 1.5, top_k=3, top_p=0.9)
+        got = torch.tensor(c.log_probs)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+        assert bool((got >= trainer - 1e-5).all())
+        truncated += int((got > trainer + 1e-3).sum())
+    assert truncated > 0, "the filter never removed any mass: the test proves nothing"
+    # top_k=1 leaves one candidate: the draw is the greedy token, with probability 1.
     greedy = flat(engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=6)))
     top1 = flat(
         engine.generate(PROMPTS, SamplingParams(temperature=1.5, top_k=1, max_new_tokens=6))
     )
     assert [c.response_ids for c in top1] == [c.response_ids for c in greedy]
-    assert_log_probs_match(engine, reference, top1, temperature=1.5)
+    assert all(lp == 0.0 for c in top1 for lp in c.log_probs)
+    # Unfiltered sampling is unchanged: the full-vocabulary log-prob, as the trainer's.
+    plain = flat(engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.5, seed=2)))
+    assert_log_probs_match(engine, reference, plain, temperature=1.5)
 
 
 def test_seed_fixes_completions_whatever_the_batching(engine, checkpoint) -> None:

@@ -6,7 +6,9 @@ as the vLLM engine (``vime.rollout.types``), so nothing upstream knows which
 one runs. It is the reference for correctness rather than speed: its sampled
 log-probs are computed exactly as the trainer computes them
 (``vime.data.micro_batch.response_log_probs``), so trainer-vs-rollout
-differences measure numerics, not definitions.
+differences measure numerics, not definitions (with top-k / top-p on, both
+engines report the truncated distribution the token was drawn from, which the
+trainer's full-vocabulary log-prob is then below).
 
 Decoding: completions are laid out as rows (prompt i, sample j) and processed
 ``max_batch_size`` rows at a time. Each chunk prefills its distinct prompts
@@ -126,7 +128,9 @@ class HFEngine:
         A completion ends at an EOS or ``stop_token_ids`` token (kept, finish
         reason ``"stop"``) or after ``max_new_tokens`` (``"length"``). Its
         ``log_probs`` are log softmax(logits / T) of each sampled token over
-        the full vocabulary, before top-k/top-p filtering; T = 1 when greedy.
+        the distribution it was drawn from: the full vocabulary, or with top-k /
+        top-p the kept tokens, renormalised (as vLLM reports them, so the two
+        engines' log-probs mean the same); T = 1 when greedy.
         """
         self._check_awake()
         _check_params(params)
@@ -258,8 +262,9 @@ class HFEngine:
             return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         # Same expression as the trainer (divide, not multiply by 1/T): bitwise-equal inputs.
         scaled = logits / params.temperature if params.temperature != 1.0 else logits
-        logp = torch.log_softmax(scaled, dim=-1)
-        probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
+        kept = filter_logits(scaled, params.top_k, params.top_p)
+        logp = torch.log_softmax(kept, dim=-1)  # of what was sampled from (see ``generate``)
+        probs = torch.softmax(kept, dim=-1)
         # Inverse CDF in float64: the target stays strictly below the total mass, and a
         # zero-probability token can never be the first index whose CDF exceeds it.
         cdf = probs.double().cumsum(-1)
