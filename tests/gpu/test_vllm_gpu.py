@@ -32,7 +32,9 @@ pytestmark = pytest.mark.gpu
 LOGP_ATOL = 0.1
 
 
-def _checkpoint(path: Path) -> str:
+def _checkpoint(path: Path, seed: int = 0, logit_scale: float = 1.0) -> str:
+    """A random bf16 Qwen3; ``logit_scale`` multiplies its output layer (a random model's
+    log-probs sit near -log(vocab) whatever its seed: a larger scale tells models apart)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
@@ -46,8 +48,10 @@ def _checkpoint(path: Path) -> str:
         max_position_embeddings=512,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
     model.save_pretrained(path)
     return str(path)
 
@@ -108,7 +112,9 @@ def _send(port: int, bucket: list[tuple[str, torch.Tensor]]) -> None:
     torch.cuda.synchronize()
 
 
-def test_nccl_broadcast_delivers_new_weights(engine) -> None:
+def test_nccl_broadcast_delivers_new_weights(engine, tmp_path: Path) -> None:
+    """Another model's weights, broadcast over NCCL from a second device, arrive bit for
+    bit, and the engine then scores like transformers on that model (not the old one)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL needs a second device for the sending rank")
     from safetensors.torch import load_file
@@ -116,8 +122,9 @@ def test_nccl_broadcast_delivers_new_weights(engine) -> None:
     from vime.weights.transports import BroadcastGroup, free_port, metadata_of
 
     llm, folder = engine
-    weights = load_file(str(Path(folder) / "model.safetensors"))
-    bucket = [(name, (t.float() * 1.01).to(t.dtype)) for name, t in sorted(weights.items())]
+    other = _checkpoint(tmp_path / "other", seed=1, logit_scale=5.0)
+    weights = load_file(str(Path(other) / "model.safetensors"))
+    bucket = sorted(weights.items())
     port = free_port()
     sender = mp.get_context("spawn").Process(target=_send, args=(port, bucket))
     sender.start()
@@ -129,6 +136,11 @@ def test_nccl_broadcast_delivers_new_weights(engine) -> None:
     assert llm.weight_version == 7
     for (name, sent), (_, got) in zip(bucket, received, strict=True):
         assert torch.equal(sent, got.cpu()), name
+    ids = [5, 17, 42, 9, 100, 200, 300]
+    served = llm.score(ids, 3, 1.0)
+    new, old = _reference(other, ids, 3), _reference(folder, ids, 3)
+    assert max(abs(a - b) for a, b in zip(served, new, strict=True)) < LOGP_ATOL
+    assert max(abs(a - b) for a, b in zip(served, old, strict=True)) > 10 * LOGP_ATOL
 
 
 def _share(queue: mp.Queue, done: mp.Event) -> None:
