@@ -5,7 +5,8 @@ exactly what ``optim.decays`` says (norm weights and biases not, every matrix ye
 megatron-core leaves applying ``wd_mult`` to a scheduler vime does not run; one step
 through vime's chokepoint (``optim.optimizer_step``: megatron's grad norm, clip, AdamW,
 weights gathered back) equals torch ``AdamW`` on a copy of the same weights and
-gradients, in fp32 to 1e-6 with the clip active; the gradient buffers are empty after
+gradients, in fp32 to 1e-6 with the clip active and at the lr the step is given (not
+the one the optimizer was built with); the gradient buffers are empty after
 the step; a model built without ``calculate_per_token_loss`` (whose DDP wrapper would
 average over DP instead of summing) is refused. The multi-rank behaviour (DP, TP,
 bf16, checkpoints) is ``test_megatron_actor.py::test_distributed_optimizer*``.
@@ -78,8 +79,10 @@ def test_a_step_equals_torch_adamw() -> None:
     expected_norm = float(torch.nn.utils.get_total_norm(list(grads.values())))
     assert expected_norm > 1.0  # the clip really scales this step
 
+    # Not the lr it was built with: the schedule's lr must reach megatron's inner groups.
+    lr = ARGS.lr / 4
     result = optimizer_step(
-        optimizer, optimizer.main_params, optimizer.grad_norm(), clip_grad=1.0, lr=ARGS.lr
+        optimizer, optimizer.main_params, optimizer.grad_norm(), clip_grad=1.0, lr=lr
     )
     optimizer.zero_grad()
     assert not result.skipped
@@ -93,7 +96,7 @@ def test_a_step_equals_torch_adamw() -> None:
         {"params": [ref[n] for n in names if not decays(n, ref[n])], "weight_decay": 0.0},
     ]
     adamw = torch.optim.AdamW(
-        groups, lr=ARGS.lr, betas=(ARGS.adam_beta1, ARGS.adam_beta2), eps=ARGS.adam_eps
+        groups, lr=lr, betas=(ARGS.adam_beta1, ARGS.adam_beta2), eps=ARGS.adam_eps
     )
     for n in names:
         ref[n].grad = grads[n] * (1.0 / (expected_norm + 1e-6))
