@@ -211,6 +211,7 @@ def test_checkpoint_of_the_other_impl_refused(
     checkpoint.begin_save(tmp_path, 1, is_rank0=True)
     checkpoint.commit_save(tmp_path, 1, backend="megatron", world_size=1, extra=extra)
     actor = MegatronActor()
+    actor.tp, actor.pp, actor.distributed = 1, 1, False
     actor.param_dtype = torch.float32
     actor.transformer_impl = running
     impl = saved or "local"

@@ -65,7 +65,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vime import checkpoint
 from vime import device as vime_device
 from vime.backends.megatron import checkpoint as mcheckpoint
 from vime.backends.megatron import convert, pipeline
@@ -478,43 +477,10 @@ class MegatronActor(PolicyTrainActor):
         if "megatron_tracker" in rng:  # older checkpoints: streams stay as seeded
             mmodel.set_rng_tracker_states(rng["megatron_tracker"])
 
-    def _check_optimizer_layout(self, folder: Path, extra: dict[str, Any]) -> None:
-        """Refuse an optimizer state this run cannot read: megatron-core's distributed
-        optimizer and torch AdamW save different layouts, and the former only re-splits
-        over DP. A never-stepped checkpoint holds weights only and loads anywhere."""
-        if extra["counters"]["optimizer_steps"] == 0:
-            return
-        saved = bool(extra.get("distributed_optimizer", False))
-        if saved != self.distributed:
-            which = "with" if saved else "without"
-            raise checkpoint.CheckpointError(
-                f"{folder} holds the optimizer state of a run {which} "
-                f"--megatron-use-distributed-optimizer; resume {which} it (or start from an "
-                "HF export: --save-hf, then --hf-checkpoint)"
-            )
-        if saved and (extra.get("tp"), extra.get("pp", 1)) != (self.tp, self.pp):
-            raise checkpoint.CheckpointError(
-                f"{folder} holds a distributed-optimizer state saved at TP={extra.get('tp')}, "
-                f"PP={extra.get('pp', 1)}; it loads at another DP size but not at "
-                f"TP={self.tp}, PP={self.pp}"
-            )
-
     def _load(self, load_dir: str) -> int:
         """Restore the newest checkpoint under ``load_dir``; return its rollout id."""
         rollout_id, folder, meta = self._open_checkpoint(load_dir)
-        saved_dtype = meta["extra"].get("param_dtype", str(torch.float32))
-        if saved_dtype != str(self.param_dtype):
-            raise checkpoint.CheckpointError(
-                f"{folder} holds {saved_dtype} weights and this run trains in "
-                f"{self.param_dtype}; resume with the same --megatron-param-dtype"
-            )
-        saved_impl = meta["extra"].get("transformer_impl", "local")  # older checkpoints: local
-        if saved_impl != self.transformer_impl:
-            raise checkpoint.CheckpointError(
-                f"{folder} was saved with --megatron-transformer-impl {saved_impl}; resume with "
-                "the same (or start from an HF export: --save-hf, then --hf-checkpoint)"
-            )
-        self._check_optimizer_layout(folder, meta["extra"])
+        mcheckpoint.check_resumable(folder, meta["extra"], self._checkpoint_extra())
         mcheckpoint.load(
             self.model,
             self.optimized,

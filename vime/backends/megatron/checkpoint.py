@@ -11,7 +11,7 @@ stacked on a prepended axis, the vocab-padded embedding and output layer marked
 ``allow_shape_mismatch`` -- and TP-replicated tensors saved by one replica only. A
 load at another TP size is therefore megatron-core's own re-split.
 
-The optimizer is torch ``AdamW`` (megatron-core's needs CUDA); its moments have
+Without ``--megatron-use-distributed-optimizer`` the optimizer is torch ``AdamW``; its moments have
 their parameter's shape and sharding, so each is saved as a copy of its parameter's
 sharded entry with the moment as data and the key prefixed ``optimizer.<moment>.``
 (megatron-core's ``make_sharded_optimizer_tensor``, what its own optimizers do). The
@@ -19,7 +19,8 @@ step count is one number shared by every parameter and rank: common state
 (``common.pt``, written by rank 0). A never-stepped AdamW has no state and saves none.
 megatron-core's distributed optimizer (``distrib_optim``) describes its own state
 (``dp_reshardable``: main weights, moments and step of each rank's buffer slice),
-which goes under the same ``optimizer`` key.
+which goes under the same ``optimizer`` key. ``check_resumable`` refuses, by name,
+what a run cannot load (another weight dtype, layer implementation or optimizer).
 
 Vocab padding: the padded vocabulary grows with TP (64 tokens -> 128 rows at TP=1,
 256 at TP=2). For an ``allow_shape_mismatch`` tensor megatron-core zeroes the target
@@ -43,10 +44,52 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from vime.backends.megatron.distrib_optim import DistributedOptimizer
+from vime.checkpoint import CheckpointError
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 MAIN_WEIGHT = "main_param"  # fp32 main weights of a bf16 model
 NamedParams = list[tuple[str, torch.nn.Parameter]]
+
+
+def check_resumable(folder: Path, saved: dict[str, Any], run: dict[str, Any]) -> None:
+    """Refuse a checkpoint this run cannot resume, naming the flag to change.
+
+    ``saved`` is the checkpoint's ``extra`` (what ``MegatronActor._checkpoint_extra``
+    wrote, with its ``counters``), ``run`` the same fields of this run. The weights must
+    have this run's dtype and layer implementation (``transformer_engine`` fuses norms
+    into other tensors). The optimizer state of megatron-core's distributed optimizer
+    and torch AdamW's differ in layout, and the former re-splits only over DP. A
+    never-stepped checkpoint holds no optimizer state, so it loads under either.
+    """
+    saved_dtype = saved.get("param_dtype", str(torch.float32))
+    if saved_dtype != run["param_dtype"]:
+        raise CheckpointError(
+            f"{folder} holds {saved_dtype} weights and this run trains in "
+            f"{run['param_dtype']}; resume with the same --megatron-param-dtype"
+        )
+    saved_impl = saved.get("transformer_impl", "local")  # older checkpoints: local
+    if saved_impl != run["transformer_impl"]:
+        raise CheckpointError(
+            f"{folder} was saved with --megatron-transformer-impl {saved_impl}; resume with "
+            "the same (or start from an HF export: --save-hf, then --hf-checkpoint)"
+        )
+    if saved["counters"]["optimizer_steps"] == 0:
+        return
+    distributed = bool(saved.get("distributed_optimizer", False))
+    if distributed != run["distributed_optimizer"]:
+        which = "with" if distributed else "without"
+        raise CheckpointError(
+            f"{folder} holds the optimizer state of a run {which} "
+            f"--megatron-use-distributed-optimizer; resume {which} it (or start from an "
+            "HF export: --save-hf, then --hf-checkpoint)"
+        )
+    layout = (saved.get("tp"), saved.get("pp", 1))
+    if distributed and layout != (run["tp"], run["pp"]):
+        raise CheckpointError(
+            f"{folder} holds a distributed-optimizer state saved at TP={layout[0]}, "
+            f"PP={layout[1]}; it loads at another DP size but not at "
+            f"TP={run['tp']}, PP={run['pp']}"
+        )
 
 
 def sharded_state(
