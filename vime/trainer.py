@@ -221,15 +221,19 @@ class Run:
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's weights to every engine and check they serve ``version``."""
         args, engines = self.args, self.engines
-        if self.transport == "object-store":
-            self.train_group.sync_object_store(engines, args.update_weight_buffer_size, version)
-        elif self.transport == "broadcast":
-            self.train_group.sync_broadcast(engines, args.update_weight_buffer_size, version)
-        elif self.transport == "cuda-ipc":
-            self.train_group.sync_cuda_ipc(engines, args.update_weight_buffer_size, version)
-        else:
-            folder = os.path.join(self.output_dir, "weight_sync")
-            self.train_group.sync_disk(engines, folder, version)
+        try:
+            if self.transport == "object-store":
+                self.train_group.sync_object_store(engines, args.update_weight_buffer_size, version)
+            elif self.transport == "broadcast":
+                self.train_group.sync_broadcast(engines, args.update_weight_buffer_size, version)
+            elif self.transport == "cuda-ipc":
+                self.train_group.sync_cuda_ipc(engines, args.update_weight_buffer_size, version)
+            else:
+                folder = os.path.join(self.output_dir, "weight_sync")
+                self.train_group.sync_disk(engines, folder, version)
+        except ActorFailure:
+            engines.raise_if_one_died("syncing weights")  # the cause, if an engine died
+            raise
         versions = engines.weight_versions()
         if any(v != version for v in versions):
             raise RuntimeError(f"engines serve weight versions {versions}, expected {version}")

@@ -11,7 +11,8 @@ or a colocated share of one, and for tensor-parallel engines no GPU on the actor
 but its bundles named for vLLM's Ray workers (never the training ranks' bundles).
 Also that ``EngineGroup.generate`` samples the same completions for the same seed
 whether one, two or three engines (here in-process HF engines standing in for the
-actors) share the batch.
+actors) share the batch. And that after a failed weight transfer a dead engine is
+named as the cause.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import itertools
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -210,3 +212,30 @@ def test_completions_do_not_depend_on_the_number_of_engines(
     assert len({tuple(r) for g in one for r in g}) > len(prompts)  # real draws, not greedy
     assert tokens(2) == one
     assert tokens(3) == one
+
+
+def test_a_dead_engine_is_named_as_the_cause() -> None:
+    """After a failed transfer, ``raise_if_one_died`` names the engine whose process is
+    gone (real Ray actors standing in for the engines), and says nothing while all live."""
+    ray = pytest.importorskip("ray")
+    from vime.ray.placement import ActorFailure, label_actor
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+
+        @ray.remote
+        class Engine:
+            def weight_version(self) -> int:
+                return 3
+
+            def die(self) -> None:
+                os._exit(3)
+
+        group = EngineGroup.__new__(EngineGroup)
+        group.actors = [label_actor(Engine.remote(), f"rollout engine {e}") for e in range(2)]
+        group.raise_if_one_died("syncing weights")  # both alive: no error
+        group.actors[1].die.remote()
+        with pytest.raises(ActorFailure, match=r"^syncing weights failed: rollout engine 1 \(pid"):
+            group.raise_if_one_died("syncing weights")
+    finally:
+        ray.shutdown()

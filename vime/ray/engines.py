@@ -298,6 +298,15 @@ class EngineGroup:
     def sleep(self) -> None:
         wait_all([a.sleep.remote() for a in self.actors], "putting engines to sleep")
 
+    def raise_if_one_died(self, what: str, timeout_s: float = 5.0) -> None:
+        """Raise ``ActorFailure`` naming an engine whose process is gone. A transfer to a
+        dead engine fails on the sending side ("connection closed by peer"); this turns
+        that into the cause, for ``what`` failed. Engines busy past ``timeout_s`` count as
+        alive."""
+        refs = [a.weight_version.remote() for a in self.actors]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        wait_all(done, what)
+
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Bring back what ``sleep`` freed: ``tags`` of ``vime.rollout.types.MEMORY_TAGS``,
         or all of it."""
