@@ -142,6 +142,7 @@ def test_fp32_run_refuses_a_bf16_checkpoint(tmp_path) -> None:
         extra={"counters": counters, "tp": 1, "pp": 1, "param_dtype": "torch.bfloat16"},
     )
     actor = MegatronActor()
+    actor.tp, actor.pp, actor.distributed, actor.transformer_impl = 1, 1, False, "local"
     actor.param_dtype = torch.float32
     with pytest.raises(checkpoint.CheckpointError, match="same --megatron-param-dtype"):
         actor._load(str(tmp_path))
