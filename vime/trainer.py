@@ -18,6 +18,7 @@ import ray
 
 from vime.config.errors import ConfigError
 from vime.config.parser import Config
+from vime.config.validate import check_cluster_devices, joins_cluster
 from vime.data.batch import RolloutBatch, TrainSchedule, schedule
 from vime.data.prompts import (
     PromptSource,
@@ -27,7 +28,7 @@ from vime.data.prompts import (
     render_prompt,
 )
 from vime.ray.engines import EngineGroup
-from vime.ray.placement import ActorFailure, layout_of, reserve, start_ray
+from vime.ray.placement import ActorFailure, cluster_gpus, layout_of, reserve, start_ray
 from vime.ray.train_group import RayTrainGroup
 from vime.rollout.manager import DataExhausted, RolloutManager
 from vime.rollout.rewards import build_reward_scorer, reward_needs_label
@@ -103,11 +104,14 @@ class Run:
             self.dropped["data/eval_prompts_dropped"] = float(eval_dropped)
         self.scorer = build_reward_scorer(args, self.task.reward if self.task else None)
 
-        from vime import device as vime_device
-
-        use_gpu = vime_device.cuda_available()
+        start_ray(args.ray_address, layout_of(args, use_gpu=False).num_bundles)
+        # The cluster's devices, not this driver's: a driver on a CPU-only head node still
+        # places the ranks and engines on the workers' GPUs.
+        use_gpu = cluster_gpus() > 0
+        if joins_cluster(args):
+            address = args.ray_address or os.environ.get("RAY_ADDRESS")
+            check_cluster_devices(args, use_gpu, f"the Ray cluster at {address} has none")
         layout = layout_of(args, use_gpu)
-        start_ray(args.ray_address, layout.num_bundles)
         self.placement = reserve(layout)
         threads = max(1, (os.cpu_count() or 1) // max(1, args.actor_num_gpus_per_node))
         self.train_group = RayTrainGroup(args.train_backend, self.placement)

@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# The repository first, then whatever path this run was given (a packed kit of packages,
+# scripts/gpu-kit.sh, is found through it).
+PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
@@ -25,7 +28,7 @@ def test_train_step_bench_smoke(backend: str, tmp_path: Path) -> None:
     if backend == "megatron":
         pytest.importorskip("megatron.core")
     out = tmp_path / "figures.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
     flags = ["--smoke", "--threads", "1", "--device", "cpu", "--json", str(out)]
     flags += ["--backend", backend]
     result = subprocess.run(
@@ -45,7 +48,7 @@ def test_train_step_bench_smoke(backend: str, tmp_path: Path) -> None:
         f"vime {backend} (packed)",
         "naive HF (padded)",
         "ratio vime/naive:",
-        "check: first-step loss and grad norm agree within 0.001: ok",
+        "check: first-step grad norm (and the loss) agree within 0.001: ok",
     ):
         assert any(line.startswith(prefix) for line in lines), (prefix, result.stdout)
 
@@ -63,7 +66,7 @@ def test_engine_idle_bench_smoke(tmp_path: Path) -> None:
     """``bench/engine_idle.py --smoke`` (needs vLLM): it runs and writes its figures."""
     pytest.importorskip("vllm")
     out = tmp_path / "idle.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "engine_idle.py"), "--smoke", "--json", str(out)],
         cwd=ROOT,

@@ -10,7 +10,9 @@ on (none for a user's own file), that a run's configuration needs --prompt-data
 with --hf-checkpoint, and that the megatron backend's architecture rules judge the
 checkpoint's raw config.json while the flags are parsed (unsupported model type,
 activation, sliding windows, a TP size that does not split the KV heads or the MLP)
-and agree with their verdict on the transformers config the actor loads.
+and agree with their verdict on the transformers config the actor loads. And that a run
+joining a Ray cluster is not refused for what its driver lacks (CUDA, TransformerEngine,
+flash-attn), while GPU-only flags are refused once the joined cluster has no GPUs.
 """
 
 from __future__ import annotations
@@ -242,3 +244,45 @@ def test_raw_config_json_gets_the_actors_verdict(cls: str, kwargs: dict, tp: int
     raw.pop("layer_types", None)
     older = _verdict(SimpleNamespace(**raw), tp)
     assert older.startswith("refused") if loaded.startswith("refused") else older == loaded
+
+
+GPU_ONLY = {
+    "cuda-ipc": ["--colocate", "--weight-sync", "cuda-ipc"],
+    "tensor-parallel engines": ["--rollout-engine", "vllm", "--rollout-num-gpus-per-engine", "2"],
+    "transformer engine": [
+        *("--train-backend", "megatron", "--megatron-transformer-impl", "transformer_engine"),
+    ],
+    "flash attention": ["--attn-implementation", "flash_attention_2"],
+}
+
+
+@pytest.mark.parametrize("what", sorted(GPU_ONLY))
+def test_a_run_joining_a_cluster_leaves_device_checks_to_the_cluster(
+    what: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This driver's lacks (no CUDA, no TransformerEngine, no flash-attn) refuse a local
+    run while parsing, but not a run that joins a Ray cluster (by flag or by RAY_ADDRESS):
+    a driver on a CPU-only head node trains on the workers' GPUs."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the local run would not be refused")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError):
+        parse_args(GPU_ONLY[what])
+    parse_args([*GPU_ONLY[what], "--ray-address", "10.0.0.1:6379"])
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    parse_args(GPU_ONLY[what])
+
+
+def test_gpu_only_flags_are_refused_on_a_cluster_without_gpus() -> None:
+    """Once Ray is joined, the cluster's GPUs decide, and the error names the cluster."""
+    from vime.config.validate import check_cluster_devices
+
+    lacking = "the Ray cluster at 10.0.0.1:6379 has none"
+    for what in ("cuda-ipc", "tensor-parallel engines"):
+        args = parse_args([*GPU_ONLY[what], "--ray-address", "10.0.0.1:6379"])
+        check_cluster_devices(args, True, lacking)
+        with pytest.raises(ConfigError, match=f"and {lacking}; use "):
+            check_cluster_devices(args, False, lacking)
+    check_cluster_devices(parse_args([]), False, lacking)  # nothing GPU-only asked

@@ -4,7 +4,8 @@ Proves that ``--rollout-engine auto`` picks vLLM exactly when it imports -- not
 merely when the package is present but its import raises -- and says why, that
 an explicit ``vllm`` that does not import is refused while parsing with the fix
 in one line, that an explicit choice is kept, that vLLM's context is the run's
-prompt + response length within the checkpoint's window, that the prompt split gives
+prompt + response length within the checkpoint's window, that the hf engine serves
+the checkpoint's dtype on a GPU and fp32 on the CPU, that the prompt split gives
 every engine a contiguous chunk, sizes differing by at most one, covering every
 prompt once, and how engine actors are placed: on their own bundles, a whole GPU
 or a colocated share of one, and for tensor-parallel engines no GPU on the actor
@@ -37,6 +38,7 @@ from vime.ray.engines import (
     _split,
     engine_actor_spec,
     engine_max_model_len,
+    hf_engine_dtype,
     resolve_engine,
 )
 from vime.ray.placement import Layout
@@ -129,6 +131,19 @@ def test_engine_context_is_the_runs_longest_sequence_within_the_window() -> None
     assert engine_max_model_len({"text_config": {"max_position_embeddings": 4096}}, 72) == 72
     assert engine_max_model_len({}, 72) is None
     assert engine_max_model_len(qwen3_06b, None) is None
+
+
+def test_hf_engine_serves_the_checkpoint_dtype_on_a_gpu_and_fp32_on_the_cpu() -> None:
+    """On a GPU the hf engine serves a bf16 checkpoint in bf16, as vLLM does (fp32 would
+    double its memory beside a colocated trainer); on the CPU, fp32 like the trainer."""
+    import torch
+
+    for key in ("dtype", "torch_dtype"):
+        assert hf_engine_dtype({key: "bfloat16"}, cuda=True) is torch.bfloat16
+        assert hf_engine_dtype({key: "torch.float16"}, cuda=True) is torch.float16
+        assert hf_engine_dtype({key: "bfloat16"}, cuda=False) is torch.float32
+    assert hf_engine_dtype({"dtype": "float32"}, cuda=True) is torch.float32
+    assert hf_engine_dtype({}, cuda=True) is torch.float32  # transformers' default
 
 
 @pytest.mark.parametrize(("n", "parts"), [(0, 1), (7, 1), (7, 3), (8, 4), (3, 5)])

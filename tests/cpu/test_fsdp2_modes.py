@@ -217,7 +217,10 @@ def _sleep_then_continue(actor, args, world: int) -> dict:
     untouched = untouched_asleep and all(
         torch.equal(t, b) for (_, b), t in zip(before, _state_tensors(actor), strict=True)
     )
-    stash = HostStash(_state_tensors(actor))
+    # What sleep parks on a GPU (there it keeps only CUDA tensors), parked here on the CPU.
+    parked = actor.parked_tensors()
+    plain = not any(isinstance(t, DTensor) for t in parked)
+    stash = HostStash(parked)
     freed = all(t.untyped_storage().nbytes() == 0 for t in _state_tensors(actor))
     stashed_bytes = stash.nbytes
     stash.restore()
@@ -230,6 +233,7 @@ def _sleep_then_continue(actor, args, world: int) -> dict:
         twin.train(_sched(rollout_id, world))
     return {
         "untouched": untouched,
+        "plain": plain,
         "freed": freed,
         "stashed_bytes": stashed_bytes,
         "restored": restored,
@@ -408,8 +412,11 @@ def test_sleep_and_wake_are_noops_on_cpu_and_training_continues(modes) -> None:
 
 
 def test_host_stash_frees_in_place_and_restores_bitwise(modes) -> None:
-    """The mechanism sleep uses on CUDA, run on the same tensors on CPU."""
+    """The mechanism sleep uses on CUDA, run on the tensors sleep parks there (the
+    actor's ``parked_tensors``: plain tensors, since a DTensor's storage is not its own
+    and HostStash could not read it) on CPU; every shard and AdamW moment is among them."""
     got = modes["sleep"]
+    assert got["plain"], "sleep would hand HostStash a DTensor"
     assert got["freed"], "a stashed storage still holds memory"
     assert got["stashed_bytes"] > 0
     assert got["restored"], "stash round trip changed a parameter or optimizer tensor"

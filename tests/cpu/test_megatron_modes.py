@@ -8,7 +8,8 @@ gradient as ``none`` on every rank's shard (in practice bit for bit; the gradien
 is checked to be non-zero) while really recomputing -- core attention runs twice
 per micro-batch under ``selective``, and the whole transformer layer twice under
 ``full``; and ``sleep``/``wake_up`` leave a CPU run untouched (same storages, same
-values), after which the step is unchanged.
+values), and what ``sleep`` parks on a GPU parks and comes back bit for bit here,
+after which the step is unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ pytest.importorskip("megatron.core")
 
 from vime.algo.metrics import MetricAccumulator
 from vime.data.batch import schedule
+from vime.device import HostStash
 
 GRANULARITIES = ("none", "selective", "full")
 MODES = {g: ("--megatron-recompute-granularity", g) for g in GRANULARITIES}
@@ -96,6 +98,13 @@ def job_modes(rank: int, world: int, hf: str) -> dict:
                 p.data_ptr() == ptr and torch.equal(p, value)
                 for (ptr, value), p in zip(before, actor.params, strict=True)
             )
+            # What sleep parks on a GPU, parked here: every weight leaves, then comes back.
+            stash = HostStash(actor.parked_tensors())
+            results["stash_freed"] = all(p.untyped_storage().nbytes() == 0 for p in actor.params)
+            stash.restore()
+            results["stash_restored"] = all(
+                torch.equal(p, value) for (_, value), p in zip(before, actor.params, strict=True)
+            )
             results["after_sleep"] = _step0(actor, args)
     return results
 
@@ -133,6 +142,10 @@ def test_sequence_parallel_splits_rows_and_sums_norm_grads(modes) -> None:
 
 
 def test_sleep_and_wake_are_noops_on_cpu(modes) -> None:
+    """Also: what sleep parks on a GPU, parked on the CPU, frees every weight and puts it
+    back bit for bit (the step after it is unchanged)."""
     assert modes["sleep_untouched"], "sleep/wake_up moved or changed a parameter on CPU"
+    assert modes["stash_freed"], "a weight kept its memory in the stash"
+    assert modes["stash_restored"], "the stash round trip changed a weight"
     for name, grad in modes["none"]["grads"].items():
         assert torch.equal(modes["after_sleep"]["grads"][name], grad), name

@@ -6,8 +6,10 @@ afterwards, never with ``ray stop``, which would stop every Ray on the machine):
 a run given the head's address by the ``RAY_ADDRESS`` environment variable
 connects to that cluster rather than starting a local one (Ray reports
 connecting, never starting, an instance), its driver job and its actors
-(training rank, rollout engine) are recorded by that cluster's GCS, the cluster
-still has its one node, and the run exits 0 with a metrics line for its rollout.
+(training rank, rollout engine) are recorded by that cluster's GCS, placed on the
+cluster's GPUs although the driver sees none (the head advertises two GPUs as Ray
+resources; torch in the actors still runs on the CPU), the cluster still has its
+one node, and the run exits 0 with a metrics line for its rollout.
 An address nothing listens on, given by ``--ray-address``, fails in seconds
 with exit status 2 and one ``vime-train: error:`` line naming the
 address and how to fix it, no traceback, and no output folder left behind;
@@ -51,6 +53,9 @@ RUN_FLAGS = [
     "256",
     "--seed",
     "7",
+    # auto would pick NCCL on a cluster with GPUs, and these GPUs are Ray resources only.
+    "--weight-sync",
+    "object-store",
 ]
 
 # Reads the cluster as its GCS records it, from a driver of its own (auth handled by Ray).
@@ -69,7 +74,10 @@ actors = [
     for a in state.actors().values()
 ]
 nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-print("QUERY" + json.dumps({"jobs": jobs, "actors": actors, "nodes": nodes}))
+bundles = [
+    list(group["bundles"].values()) for group in ray.util.placement_group_table().values()
+]
+print("QUERY" + json.dumps({"jobs": jobs, "actors": actors, "nodes": nodes, "bundles": bundles}))
 """
 
 
@@ -93,7 +101,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def head() -> Iterator[str]:
-    """A one-node Ray cluster (4 CPUs) of this module's own; yields its GCS address."""
+    """A one-node Ray cluster (4 CPUs, 2 GPUs that are Ray resources only) of this
+    module's own; yields its GCS address."""
     # Short: Ray's unix socket paths live under it and must stay under ~107 characters.
     temp_dir = tempfile.mkdtemp(prefix="vray", dir="/tmp")
     port = free_port()
@@ -109,7 +118,10 @@ def head() -> Iterator[str]:
             "--object-manager-port",
         )
     }
+    # Two GPUs as Ray resources only (this machine has none): the run must be placed by
+    # what the cluster has, not by what its driver sees.
     command = ["ray", "start", "--head", "--block", "--port", str(port), "--num-cpus", "4"]
+    command += ["--num-gpus", "2"]
     command += ["--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp_dir]
     command += [item for pair in ports.items() for item in pair]
     log_path = Path(temp_dir) / "head.log"
@@ -182,6 +194,8 @@ def test_run_joins_the_running_cluster(head: str, tmp_path: Path) -> None:
     assert len(ours) == 1, cluster["jobs"]
     classes = {a["cls"] for a in cluster["actors"] if a["job"] == ours[0]["id"]}
     assert len(classes) >= 2, (classes, cluster["actors"])  # a training rank and an engine
+    # The driver sees no CUDA, yet the rank and the engine were placed on the cluster's GPUs.
+    assert cluster["bundles"] == [[{"CPU": 1.0, "GPU": 1.0}] * 2], cluster["bundles"]
 
 
 def test_unreachable_address_fails_fast_with_one_line(tmp_path: Path) -> None:

@@ -174,9 +174,15 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
 
     actor.train(_schedule(batch, micro_batch_size=2))  # AdamW moments now exist
     torch.cuda.synchronize()
+    # cuBLAS keeps a workspace per stream that memory_allocated counts and sleep does not
+    # own (tens of MB on Hopper, more than this model's state): out of both readings.
+    torch._C._cuda_clearCublasWorkspaces()
     awake_bytes = torch.cuda.memory_allocated(actor.device)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in _state_tensors(actor)}
+    state_bytes = sum(storage.nbytes() for storage in storages.values())
     snapshot = [t.detach().cpu().clone() for t in _state_tensors(actor)]
     actor.sleep()
+    torch._C._cuda_clearCublasWorkspaces()
     asleep_bytes = torch.cuda.memory_allocated(actor.device)
     actor.wake_up()
     tensors = _state_tensors(actor)
@@ -199,6 +205,7 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
             "masks": batch.loss_masks,
             "awake_bytes": awake_bytes,
             "asleep_bytes": asleep_bytes,
+            "state_bytes": state_bytes,
             "state_tensors": len(snapshot),
             "on_device": on_device,
             "restored": restored,
@@ -220,7 +227,9 @@ def got(hf_dir, tmp_path_factory) -> dict:
 def test_sleep_frees_memory_and_wake_restores_bitwise(got) -> None:
     assert got["device"].startswith("cuda")
     assert got["state_tensors"] > 0
-    assert got["asleep_bytes"] < 0.5 * got["awake_bytes"], (got["asleep_bytes"], got["awake_bytes"])
+    freed = got["awake_bytes"] - got["asleep_bytes"]
+    # Every shard and moment left the device (a little slack for allocator rounding).
+    assert freed >= 0.95 * got["state_bytes"], (freed, got["state_bytes"], got["awake_bytes"])
     assert got["on_device"], "a parameter shard or AdamW moment did not come back to the GPU"
     assert got["restored"], "wake_up did not restore every shard and moment bit for bit"
     assert got["metrics"]["train/skipped_steps"] == 0.0

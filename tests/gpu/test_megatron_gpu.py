@@ -156,7 +156,11 @@ def _step0(actor, *, update: bool = False) -> dict:
 
 
 def _post_step(actor) -> dict[str, torch.Tensor]:
-    """The weight source after a step, in HF names, as fp32 host tensors."""
+    """The weight source after a step, in HF names, as fp32 host tensors.
+
+    Exported in fp32, not the checkpoint's bf16: one step at ``LR`` moves a weight near 1
+    (the norms) by far less than a bf16 step there, so in bf16 it would not show."""
+    actor._hf_dtype = lambda: torch.float32
     return {
         name: tensor.detach().float().cpu()
         for bucket in actor.weight_buckets(1 << 28)

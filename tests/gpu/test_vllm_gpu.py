@@ -6,10 +6,12 @@ mode frees device memory and ``wake_up`` serves the same weights again; new
 weights delivered over the NCCL ``BroadcastGroup`` (training rank 0 -> engine)
 are what the engine serves afterwards; CUDA IPC handles of a bucket open in another
 process (the colocated transport) with the sender's exact values; a whole
-``vime-train --colocate`` run (vLLM engine and fsdp2 rank on one GPU, CUDA-IPC
-sync) exits 0 with the engine serving each new version and agreeing with the
-trainer within bf16 rounding. Skipped without CUDA (``conftest.py``); the NCCL
-test needs two devices (NCCL refuses two ranks on one device).
+``vime-train --colocate`` run (the engine, vLLM or hf, and an fsdp2 rank on one
+GPU, CUDA-IPC sync) exits 0 with the engine serving each new version and agreeing
+with the trainer within bf16 rounding. Skipped without CUDA (``conftest.py``); the
+vLLM tests without vLLM (the lent GPU's image has none, and its wheel is too large to
+carry there: scripts/gpu-kit.sh); the NCCL test needs two devices (NCCL refuses two
+ranks on one device).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
 
 # bf16 logits move in steps of ~2**-7 near 1; vLLM and transformers use different
 # attention and GEMM kernels, so a few roundings differ per token. 0.1 is ~12 such
@@ -160,6 +163,7 @@ def test_cuda_ipc_handles_open_in_another_process() -> None:
     sender.start()
     bucket = dict(open_cuda_bucket(queue.get(timeout=120), torch.cuda.current_device()))
     copies = {name: t.clone() for name, t in bucket.items()}
+    del bucket  # the views into the sender's memory go before the sender does
     done.set()
     sender.join(timeout=120)
     assert torch.equal(copies["w"].cpu(), torch.arange(12.0).view(3, 4))
@@ -180,34 +184,39 @@ def _embedded_bf16(folder: Path) -> str:
     return path
 
 
-def test_colocated_run_with_vllm_and_cuda_ipc(tmp_path: Path) -> None:
-    """Two rollouts of ``vime-train --colocate --rollout-engine vllm --weight-sync
-    cuda-ipc`` on one GPU: the engine sleeps (vLLM sleep mode: memory really freed)
-    while the trainer trains, wakes its weights for the CUDA-IPC sync, then its KV cache
-    for the probe and generation once the trainer sleeps. Exit 0, the engine serves
-    versions 1 and 2, and both the sampled tokens' log-probs and the probe's agree with
-    the trainer's within bf16 rounding: a stale or half-loaded weight (vLLM's wake
-    restoring the offloaded copy over new weights) would be far off."""
-    pytest.importorskip("vllm")
+@pytest.mark.parametrize("engine_name", ["hf", "vllm"])
+def test_colocated_run_with_cuda_ipc(engine_name: str, tmp_path: Path) -> None:
+    """Two rollouts of ``vime-train --colocate --weight-sync cuda-ipc`` on one GPU, with
+    either engine: the engine sleeps (vLLM: its sleep mode, memory really freed; hf: its
+    weights parked on the host) while the trainer trains, wakes its weights for the
+    CUDA-IPC sync, then its KV cache for the probe and generation once the trainer
+    sleeps. Exit 0, the engine serves versions 1 and 2, and both the sampled tokens'
+    log-probs and the probe's agree with the trainer's within bf16 rounding: a stale or
+    half-loaded weight (a wake restoring the parked copy over new weights) would be far
+    off. The hf run needs no vLLM, so the colocated GPU loop is checked wherever CUDA is."""
+    if engine_name == "vllm":
+        pytest.importorskip("vllm")
     checkpoint = _embedded_bf16(tmp_path / "model")
     script = Path(sys.executable).with_name("vime-train")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
     out = tmp_path / "out"
     flags = [
         *("--hf-checkpoint", checkpoint, "--prompt-data", "builtin:reverse"),
-        *("--colocate", "--rollout-engine", "vllm", "--weight-sync", "cuda-ipc"),
+        *("--colocate", "--rollout-engine", engine_name, "--weight-sync", "cuda-ipc"),
         *("--num-rollout", "2", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4"),
         *("--rollout-max-prompt-len", "64", "--rollout-max-response-len", "8"),
         *("--use-dynamic-batch-size", "--max-tokens-per-gpu", "1024", "--lr", "3e-4"),
         *("--seed", "7", "--output-dir", str(out)),
     ]
-    # NVML's CUDA check leaves fork usable for vLLM's engine process (scripts/gpu-check.sh).
-    env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    # NVML's CUDA check leaves fork usable for vLLM's engine process (scripts/gpu-check.sh);
+    # the repository on the path, absolute, where vime is not pip-installed.
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONPATH": path}
     result = subprocess.run(
-        [*command, *flags], capture_output=True, text=True, timeout=540, cwd=tmp_path, env=env
+        [*command, *flags], capture_output=True, text=True, timeout=220, cwd=tmp_path, env=env
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert "rollout engine vllm (--rollout-engine vllm)" in result.stdout
+    assert f"rollout engine {engine_name} (--rollout-engine {engine_name})" in result.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout_id"] for r in rows] == [0, 1]
     for row in rows:

@@ -337,15 +337,21 @@ class PolicyTrainActor(TrainActor):
         if self._stash is not None:
             return
         self._release_gathered()
+        parked = self.parked_tensors()
+        self._stash = HostStash(t for t in parked if vime_device.is_cuda(t.device))
+        vime_device.empty_cache()
+
+    def parked_tensors(self) -> list[torch.Tensor]:
+        """What ``sleep`` parks, on any device (it keeps those on an accelerator): the
+        weight shards, main weights, gradients, backend buffers and optimizer state, each
+        as the plain tensor that owns its storage (a DTensor's storage is not its own)."""
         tensors = list(self._local_tensors())
-        seen = {id(t) for t in tensors}
-        tensors += [p for p in self.trained_params if id(p) not in seen]
+        tensors += [_storage(p) for p in self.trained_params]
         tensors += [_storage(p.grad) for p in self.trained_params if p.grad is not None]
         tensors += self._device_buffers()
         for state in self.optimizer.state.values():
             tensors += [_storage(v) for v in state.values() if isinstance(v, torch.Tensor)]
-        self._stash = HostStash(t for t in tensors if vime_device.is_cuda(t.device))
-        vime_device.empty_cache()
+        return tensors  # HostStash parks a storage several of them share once
 
     def wake_up(self) -> None:
         """Put back, bit for bit, what ``sleep`` moved to the host (no-op on CPU)."""

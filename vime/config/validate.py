@@ -117,52 +117,71 @@ def rollout_device_count(args: Any) -> int:
     return rollout_gpus
 
 
+def joins_cluster(args: Any) -> bool:
+    """Whether the run joins a Ray cluster (``--ray-address`` or ``RAY_ADDRESS``).
+
+    Its devices and packages are then the cluster's, not this driver's: a driver on a
+    CPU-only head node still trains on the workers' GPUs. So what this machine has
+    (CUDA, vLLM, TransformerEngine) is not checked while parsing; ``check_cluster_devices``
+    checks the GPUs once Ray is joined, and the actors report a missing package by name.
+    """
+    return bool(args.ray_address or os.environ.get("RAY_ADDRESS"))
+
+
+def check_cluster_devices(args: Any, has_gpus: bool, lacking: str) -> None:
+    """ConfigError when flags that only work on GPUs meet a machine or cluster without
+    any; ``lacking`` says where ("none is visible here", "the Ray cluster at ... has
+    none")."""
+    if has_gpus:
+        return
+    if args.weight_sync == "cuda-ipc":
+        raise ConfigError(
+            f"--weight-sync cuda-ipc needs CUDA GPUs, and {lacking}; use --weight-sync auto"
+        )
+    if args.rollout_num_gpus_per_engine > 1:
+        raise ConfigError(
+            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} spreads each "
+            f"engine over GPUs, and {lacking}; use --rollout-num-gpus-per-engine 1"
+        )
+
+
 def _check_placement(args: argparse.Namespace) -> None:
     """The device layout, checked before Ray starts."""
     rollout_device_count(args)
-    if args.rollout_num_gpus_per_engine > 1:
-        _check_tensor_parallel_engines(args)
-    if args.weight_sync == "cuda-ipc":
-        if not args.colocate or args.rollout_num_gpus_per_engine != 1:
-            raise ConfigError(
-                "--weight-sync cuda-ipc needs --colocate and --rollout-num-gpus-per-engine 1 "
-                "(each engine opens the handles of the training rank on its GPU)"
-            )
-        from vime import device  # imports torch: only paid when cuda-ipc is asked for
-
-        if not device.cuda_available():
-            raise ConfigError(
-                "--weight-sync cuda-ipc needs CUDA GPUs, and none is visible here; "
-                "use --weight-sync auto"
-            )
-
-
-def _check_tensor_parallel_engines(args: argparse.Namespace) -> None:
-    """Several devices per engine is vLLM's tensor parallelism over GPUs: the transformers
-    engine runs on one device, and vLLM's CPU build gets no GPUs to spread over."""
-    flag = f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}"
-    engine = args.rollout_engine
-    if engine == "auto":
-        engine = "vllm" if _vllm_import_error() is None else "hf"
-    if engine == "hf":
+    if args.rollout_num_gpus_per_engine > 1 and args.rollout_engine == "hf":
         raise ConfigError(
-            f"{flag} needs the vllm engine (tensor parallel); the hf engine runs on one "
-            "device: use --rollout-num-gpus-per-engine 1, or install vllm"
+            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} needs the vllm "
+            "engine (tensor parallel); the hf engine runs on one device: use "
+            "--rollout-num-gpus-per-engine 1, or install vllm"
         )
-    from vime import device  # imports torch: only paid when the flag asks for it
-
-    if not device.cuda_available():
+    if args.weight_sync == "cuda-ipc" and (
+        not args.colocate or args.rollout_num_gpus_per_engine != 1
+    ):
         raise ConfigError(
-            f"{flag} spreads each engine over GPUs, and none is visible here; "
-            "use --rollout-num-gpus-per-engine 1"
+            "--weight-sync cuda-ipc needs --colocate and --rollout-num-gpus-per-engine 1 "
+            "(each engine opens the handles of the training rank on its GPU)"
         )
+    if joins_cluster(args):
+        return  # the cluster's devices and packages, checked once it is joined
+    tensor_parallel = args.rollout_num_gpus_per_engine > 1
+    # auto without an importable vLLM would pick the one-device hf engine
+    if tensor_parallel and args.rollout_engine == "auto" and _vllm_import_error() is not None:
+        raise ConfigError(
+            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} needs the "
+            "vllm engine (tensor parallel), which does not import here; use "
+            "--rollout-num-gpus-per-engine 1, or install vllm"
+        )
+    if args.weight_sync == "cuda-ipc" or args.rollout_num_gpus_per_engine > 1:
+        from vime import device  # imports torch: only paid when the flags need GPUs
+
+        check_cluster_devices(args, device.cuda_available(), "none is visible here")
 
 
 def _check_engine(args: argparse.Namespace) -> None:
     """An explicit ``--rollout-engine vllm`` must import here, or the run would fail only
     once the engines start (``auto`` falls back to hf instead, and says why)."""
-    if args.rollout_engine != "vllm":
-        return
+    if args.rollout_engine != "vllm" or joins_cluster(args):
+        return  # on a cluster the engine actors import it, and name what fails
     error = _vllm_import_error()
     if error is None:
         return

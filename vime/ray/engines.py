@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from vime.config.errors import ConfigError
 from vime.ray.placement import Layout, Placement, label_actor, wait_all
 from vime.rollout.types import Completion, SamplingParams
 from vime.weights.buckets import WholeLayers
@@ -119,8 +120,12 @@ class EngineActor:
 
             from vime.rollout.hf_engine import HFEngine
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.engine = HFEngine(checkpoint, device=device)
+            cuda = torch.cuda.is_available()
+            self.engine = HFEngine(
+                checkpoint,
+                device="cuda" if cuda else "cpu",
+                dtype=hf_engine_dtype(_checkpoint_config(checkpoint), cuda=cuda),
+            )
         else:
             raise ValueError(f"unknown rollout engine {kind!r}; choose vllm or hf")
         self.engine.weight_version = 0
@@ -207,6 +212,17 @@ def _checkpoint_dtype(config: dict[str, Any]) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def hf_engine_dtype(config: dict[str, Any], *, cuda: bool) -> Any:
+    """The hf engine's dtype: the checkpoint's on a GPU, as vLLM serves it (a bf16 model
+    in fp32 would take twice the memory beside a colocated trainer, which computes in
+    bf16 there), and fp32 on the CPU, where the trainer computes in fp32 and bf16
+    generation is slow."""
+    import torch
+
+    dtype = getattr(torch, _checkpoint_dtype(config), None) if cuda else None
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
 # Where HF configs keep the context window (vLLM reads the same keys).
 _WINDOW_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
@@ -265,6 +281,13 @@ class EngineGroup:
                 "install vllm alike on every node or name the engine"
             )
         self.kind, self.reason = choices[0]
+        tp = options.get("tensor_parallel_size", 1)
+        if self.kind == "hf" and tp > 1:  # auto on machines where vLLM does not import
+            raise ConfigError(
+                f"--rollout-num-gpus-per-engine {tp} needs the vllm engine (tensor parallel), "
+                f"and the engines chose hf ({self.reason}); install vllm where the engines "
+                "run, or use --rollout-num-gpus-per-engine 1"
+            )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt; engine k serves the k-th contiguous chunk.

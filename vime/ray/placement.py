@@ -104,6 +104,12 @@ def start_ray(address: str | None, min_cpus: int) -> None:
         ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
 
 
+def cluster_gpus() -> int:
+    """GPUs the Ray cluster (started or joined) has in all: whether the run is placed on
+    GPUs is the cluster's answer, not the driver's, which may sit on a CPU-only node."""
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
 def _check_reachable(address: str) -> None:
     """Fail fast unless a Ray server (a GCS, or for ray:// a client server) answers there."""
     if address in ("auto", "local"):  # Ray finds (or starts) the cluster itself

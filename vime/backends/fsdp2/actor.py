@@ -98,7 +98,9 @@ class FSDP2Actor(PolicyTrainActor):
             WeightEntry(
                 name,
                 tensor_nbytes(param.shape, dtype),
-                lambda p=param: _full(p).detach().to(dtype),
+                # On the rank's device even when the shards are offloaded to the host: a
+                # colocated engine opens the tensors through CUDA IPC.
+                lambda p=param: _full(p).detach().to(self.device, dtype),
             )
             for name, param in self.model.named_parameters()
         )

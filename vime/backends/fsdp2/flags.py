@@ -12,6 +12,7 @@ import importlib.util
 from collections.abc import Callable
 
 from vime.config.errors import ConfigError
+from vime.config.validate import joins_cluster
 
 # No float16: it needs loss scaling, which vime does not do; bf16 is the only half dtype
 # vime trains in (the megatron backend offers the same choices).
@@ -105,7 +106,9 @@ def validate(args: argparse.Namespace) -> int:
     elif args.fsdp_shard_size is not None:
         raise ConfigError("--fsdp-shard-size only applies with --fsdp-mode hybrid")
     # Only the cheap half of transformers' own check: whether a GPU can run it needs torch.
-    if args.attn_implementation == "flash_attention_2" and not _importable("flash_attn"):
+    # On a Ray cluster the training ranks' machines are the ones that need it.
+    flash = args.attn_implementation == "flash_attention_2" and not joins_cluster(args)
+    if flash and not _importable("flash_attn"):
         raise ConfigError(
             "--attn-implementation flash_attention_2 needs the flash-attn package, which is "
             "not installed here; install it or use --attn-implementation auto"

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from vime.config.errors import ConfigError
+from vime.config.validate import joins_cluster
 from vime.models.embedded import architecture_fields
 
 # Where a parse-time error says the model came from when no --hf-checkpoint is given.
@@ -119,7 +120,8 @@ def validate(args: argparse.Namespace) -> int:
         )
     if args.megatron_sequence_parallel and tp == 1:
         raise ConfigError("--megatron-sequence-parallel needs --megatron-tensor-parallel-size > 1")
-    if args.megatron_transformer_impl == "transformer_engine":
+    # On a Ray cluster the training ranks' machines decide, and the actor names what lacks.
+    if args.megatron_transformer_impl == "transformer_engine" and not joins_cluster(args):
         missing = transformer_engine_missing()
         if missing:
             raise ConfigError(
