@@ -5,7 +5,8 @@ command, keys are unique, GPU steps state their GPU count, every test file,
 test folder and script a command names exists in the repository, and together
 the CPU steps cover every file of ``tests/cpu`` (none silently left out of CI),
 and every shell script under ``scripts/`` (the GPU lease's ``gpu-check.sh``
-included, which no CPU step runs) is valid bash.
+included, which no CPU step runs) is valid bash; and that the packages
+``scripts/gpu-kit.sh`` carries to the lent GPU machine are versions pyproject.toml allows.
 """
 
 from __future__ import annotations
@@ -62,3 +63,24 @@ def test_shell_scripts_parse() -> None:
     for script in scripts:
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert result.returncode == 0, f"{script.name}: {result.stderr}"
+
+
+def test_gpu_kit_carries_the_versions_the_project_pins() -> None:
+    """scripts/gpu-kit.sh packs, for the lent GPU machine, exact versions of packages that
+    pyproject.toml pins by range: each must lie in that range (a bumped pin with a stale
+    kit would run the GPU check on another stack than CI's)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = {}
+    for spec in project["dependencies"] + project["optional-dependencies"]["dev"]:
+        req = Requirement(spec)
+        pinned[req.name.lower()] = req.specifier
+    script = (ROOT / "scripts" / "gpu-kit.sh").read_text()
+    block = script[script.index("PACKAGES=(") : script.index(")", script.index("PACKAGES=("))]
+    kit = dict(item.split("==") for item in block.removeprefix("PACKAGES=(").split())
+    for name in ("ray", "megatron-core", "transformers"):
+        assert name in kit, f"gpu-kit.sh does not carry {name}"
+        assert kit[name] in pinned[name], (name, kit[name], str(pinned[name]))
