@@ -217,6 +217,19 @@ def latest(save_dir: str | os.PathLike) -> int | None:
     return rollout_id
 
 
+def check_shared(flag: str, folder: str | os.PathLike, views: list[Any], what: str) -> None:
+    """CheckpointError unless every rank's view of ``folder`` (``views[r]``, gathered from
+    rank r) is the same: ranks on several nodes see different things there when the
+    folder is not on a filesystem they all share. ``what`` names the view."""
+    if all(view == views[0] for view in views):
+        return
+    seen = ", ".join(f"rank {r}: {view}" for r, view in enumerate(views))
+    raise CheckpointError(
+        f"{flag} {folder}: the ranks see different {what} ({seen}); it must be a folder "
+        "every training node shares (a network filesystem)"
+    )
+
+
 def resume_point(load_dir: str | os.PathLike) -> int | None:
     """The rollout id ``--load`` resumes from, or None to start from scratch.
 

@@ -108,9 +108,11 @@ class Run:
         # The cluster's devices, not this driver's: a driver on a CPU-only head node still
         # places the ranks and engines on the workers' GPUs.
         use_gpu = cluster_gpus() > 0
+        lacking = "none is visible here"
         if joins_cluster(args):
             address = args.ray_address or os.environ.get("RAY_ADDRESS")
-            check_cluster_devices(args, use_gpu, f"the Ray cluster at {address} has none")
+            lacking = f"the Ray cluster at {address} has none"
+        check_cluster_devices(args, use_gpu, lacking)
         layout = layout_of(args, use_gpu)
         self.placement = reserve(layout)
         threads = max(1, (os.cpu_count() or 1) // max(1, args.actor_num_gpus_per_node))
@@ -126,6 +128,7 @@ class Run:
                 "seed": args.seed,
                 # The longest sequence a rollout makes: what the KV cache must hold.
                 "max_model_len": args.rollout_max_prompt_len + args.rollout_max_response_len,
+                "gpu_memory_utilization": args.rollout_gpu_memory_utilization,
             },
         )
         engines = f"{self.engines.kind} ({self.engines.reason}), {layout.num_engines} engine(s)"
@@ -143,7 +146,7 @@ class Run:
         )
         if self.start_rollout > 0:
             self.manager.load_state_dict(self._loaded_data_position(args.load))
-        self.transport = _transport(args, use_gpu)
+        self.transport = weight_transport(args, use_gpu)
         if self.transport == "broadcast":
             self.train_group.setup_broadcast(self.engines, "nccl" if use_gpu else "gloo")
         self.tracker = Tracker(
@@ -253,6 +256,7 @@ class Run:
             metadata_key=args.metadata_key,
             seed=args.seed,
             require_label=reward_needs_label(args),
+            apply_chat_template=args.apply_chat_template,
         )
         ids = [render_prompt(p.text, self.tokenizer, args.apply_chat_template) for p in prompts]
         kept, kept_ids, dropped = filter_prompt_lengths(
@@ -406,14 +410,17 @@ def _task(name: str | None) -> Any:
     return get_task(name)
 
 
-def _transport(args: Config, use_gpu: bool) -> str:
-    """The weight transport: as asked (validated while parsing), or for ``auto`` CUDA IPC
-    where every engine shares its GPU with the training rank it reads from."""
+def weight_transport(args: Config, use_gpu: bool) -> str:
+    """The weight transport: as asked (validated), or for ``auto``: CUDA IPC where every
+    engine shares its GPU with the training rank it reads from, an NCCL broadcast to
+    one-GPU engines on GPUs of their own, else the Ray object store."""
     if args.weight_sync != "auto":
         return args.weight_sync
-    if use_gpu:
-        ipc_ok = args.colocate and args.rollout_num_gpus_per_engine == 1
-        return "cuda-ipc" if ipc_ok else "broadcast"
+    if use_gpu and args.rollout_num_gpus_per_engine == 1:
+        # NCCL takes one rank per GPU: colocated engines share the training ranks' GPUs.
+        return "cuda-ipc" if args.colocate else "broadcast"
+    # CPU, or tensor-parallel engines, whose actors hold no GPU to receive on (vLLM's
+    # workers hold them): through host memory.
     return "object-store"
 
 

@@ -319,3 +319,14 @@ def test_rng_state_round_trip_gives_identical_draws() -> None:
     buffer.seek(0)
     ck.set_rng_state(torch.load(buffer, weights_only=True))
     assert draws() == first
+
+
+def test_check_shared_names_each_ranks_view_and_the_fix() -> None:
+    """Equal views pass; differing ones raise one line with every rank's view."""
+    ck.check_shared("--load", "/ckpt", [3, 3, 3], "newest checkpoints")
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.check_shared("--load", "/ckpt", [3, None], "newest checkpoints")
+    message = str(err.value)
+    assert message.startswith("--load /ckpt: the ranks see different newest checkpoints")
+    assert "rank 0: 3, rank 1: None" in message
+    assert "every training node shares" in message and "\n" not in message

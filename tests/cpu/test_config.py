@@ -286,3 +286,32 @@ def test_gpu_only_flags_are_refused_on_a_cluster_without_gpus() -> None:
         with pytest.raises(ConfigError, match=f"and {lacking}; use "):
             check_cluster_devices(args, False, lacking)
     check_cluster_devices(parse_args([]), False, lacking)  # nothing GPU-only asked
+
+
+def test_broadcast_sync_that_nccl_cannot_form_is_refused_on_gpus() -> None:
+    """On GPUs the broadcast group holds training rank 0 and one rank per engine actor:
+    colocated engines would share rank 0's GPU, and a tensor-parallel engine's actor has
+    no GPU; both are refused with the transport that works. On the CPU (gloo) both run."""
+    from vime.config.validate import check_cluster_devices
+
+    colocated = parse_args(["--colocate", "--weight-sync", "broadcast"])
+    tensor_parallel = parse_args(
+        ["--weight-sync", "broadcast", "--rollout-num-gpus-per-engine", "2", "--ray-address", "h:1"]
+    )
+    with pytest.raises(ConfigError, match="--weight-sync broadcast with --colocate on GPUs"):
+        check_cluster_devices(colocated, True, "")
+    with pytest.raises(ConfigError, match="does not reach tensor-parallel engines"):
+        check_cluster_devices(tensor_parallel, True, "")
+    check_cluster_devices(colocated, False, "none is visible here")
+    check_cluster_devices(parse_args(["--weight-sync", "broadcast"]), True, "")
+
+
+def test_vllm_memory_share_defaults_by_placement_and_is_checked() -> None:
+    """vLLM takes most of a GPU of its own, half of one it shares with a training rank."""
+    assert parse_args([]).rollout_gpu_memory_utilization == 0.85
+    assert parse_args(["--colocate"]).rollout_gpu_memory_utilization == 0.5
+    given = parse_args(["--colocate", "--rollout-gpu-memory-utilization", "0.3"])
+    assert given.rollout_gpu_memory_utilization == 0.3
+    for bad in ("0", "1.5", "-0.2"):
+        with pytest.raises(ConfigError, match="--rollout-gpu-memory-utilization must be in"):
+            parse_args(["--rollout-gpu-memory-utilization", bad])

@@ -17,7 +17,8 @@ per rollout and skipped with one; a non-finite gradient skips the step, and
 0 for the skipped one); save -> new processes -> load -> continue equals the
 uninterrupted run bitwise; the HF export loads in transformers with the same
 weights and the same logits; a bf16 checkpoint trains in fp32 master weights but
-publishes and exports bf16 (buckets, safetensors and config.json).
+publishes and exports bf16 (buckets, safetensors and config.json); a --save or --load
+folder the ranks do not share is refused on every rank.
 """
 
 from __future__ import annotations
@@ -428,6 +429,42 @@ def test_resume_equals_uninterrupted(hf_dir, two_steps_a_rollout, tmp_path) -> N
     assert resumed["metrics"] == whole["metrics"][2:]
     for name, weight in whole["weights"].items():
         assert torch.equal(resumed["weights"][name], weight), name
+
+
+def _unshared_folders_job(rank: int, world: int, hf: str, tmp: str) -> dict:
+    """Each rank given a --save, then a --load, of its own: what node-local folders on
+    two nodes look like to the ranks (rank 0's folders hold the checkpoint, rank 1's not)."""
+    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.checkpoint import CheckpointError
+
+    errors = {}
+    actor = FSDP2Actor()
+    actor.init(actor_args(hf, world, "--save", f"{tmp}/save_rank{rank}"))
+    try:
+        actor.save(0)
+    except CheckpointError as err:
+        errors["save"] = str(err)
+    actor.args = actor.args.replace(save=f"{tmp}/shared")
+    actor.save(0)  # one folder both ranks see: fine
+    load = f"{tmp}/shared" if rank == 0 else f"{tmp}/empty_rank1"
+    Path(load).mkdir(exist_ok=True)
+    try:
+        FSDP2Actor().init(actor_args(hf, world, "--load", load))
+    except CheckpointError as err:
+        errors["load"] = str(err)
+    return errors
+
+
+def test_folders_the_ranks_do_not_share_are_refused_on_every_rank(hf_dir, tmp_path) -> None:
+    """A --save or --load on a node-local disk of a multi-node run: the ranks see different
+    folders. Every rank raises the same one-line error naming the flag and the fix, instead
+    of writing shards into a folder only some see, or of some ranks loading (a collective)
+    while the others start afresh, which would hang."""
+    errors = spawn(_unshared_folders_job, 2, tmp_path, hf_dir, str(tmp_path))
+    assert "--save " in errors["save"] and "rank 1: missing" in errors["save"], errors
+    assert "--load " in errors["load"] and "rank 0: 0, rank 1: None" in errors["load"], errors
+    for message in errors.values():
+        assert "must be a folder every training node shares" in message
 
 
 def test_never_stepped_optimizer_round_trips(hf_dir, tmp_path) -> None:

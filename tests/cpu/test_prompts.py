@@ -5,6 +5,10 @@ optional), that each kind of bad data fails with one message naming the file,
 the line and the fix (a missing or null label too, when the reward needs one),
 that ``builtin:`` specs give a task's train or eval split, that
 ``render_prompt`` yields the text's own tokens (chat template: wrapped in it),
+that a list of chat messages (jsonl or a parquet list-of-struct column) loads
+only with ``--apply-chat-template``, is refused with the fix without it and
+with what is wrong when malformed, renders one user message exactly like the
+plain string and is measured after templating for ``--rollout-max-prompt-len``,
 that dropping every prompt for ``--rollout-max-prompt-len`` is an error that
 says so, that ``PromptSource`` is deterministic, reshuffles every epoch,
 covers each epoch exactly once, and that a source restored from ``state_dict``
@@ -253,13 +257,18 @@ def char_tokenizer():
 
     vocab = {"<eos>": 0, "<user>": 1, "<bot>": 2}
     vocab |= {c: i + 3 for i, c in enumerate(CHARSET)}
+    vocab["<sys>"] = len(vocab)  # last, so the character ids stay 3 + CHARSET.index
     core = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<eos>", additional_special_tokens=["<user>", "<bot>"]
+        tokenizer_object=core,
+        eos_token="<eos>",
+        additional_special_tokens=["<user>", "<bot>", "<sys>"],
     )
     tokenizer.chat_template = (
-        "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}"
+        "{% for m in messages %}"
+        "{% if m['role'] == 'system' %}<sys>{% elif m['role'] == 'assistant' %}<bot>"
+        "{% else %}<user>{% endif %}{{ m['content'] }}{% endfor %}"
         "{% if add_generation_prompt %}<bot>{% endif %}"
     )
     return tokenizer
@@ -275,3 +284,115 @@ def test_render_prompt_plain_and_chat(char_tokenizer) -> None:
             render_prompt("ab", char_tokenizer, apply_chat_template=True)
     finally:
         char_tokenizer.chat_template = template
+
+
+SYS = [{"role": "system", "content": "be brief"}]
+USER = [{"role": "user", "content": "ab c="}]
+
+
+def _ids(text: str) -> list[int]:
+    return [3 + CHARSET.index(c) for c in text]
+
+
+def test_message_list_loads_with_the_chat_template_flag(tmp_path: Path) -> None:
+    spec = _write_jsonl(
+        tmp_path / "p.jsonl",
+        [json.dumps({"prompt": SYS + USER, "label": "5"}), json.dumps({"prompt": "ab="})],
+    )
+    prompts = load_prompts(spec, apply_chat_template=True)
+    assert prompts == [
+        Prompt(text=SYS + USER, label="5", metadata={}, index=0),
+        Prompt(text="ab=", label=None, metadata={}, index=1),
+    ]
+
+
+def test_message_list_without_the_flag_names_the_fix(tmp_path: Path) -> None:
+    spec = _write_jsonl(
+        tmp_path / "p.jsonl", [json.dumps({"q": "ab="}), json.dumps({"q": SYS + USER})]
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_prompts(spec, input_key="q")
+    message = str(caught.value)
+    assert message.startswith(f"{spec}:2: 'q' is a list of chat messages")
+    assert "add --apply-chat-template" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("value", "pattern"),
+    [
+        ([], r"p\.jsonl:1: 'prompt' is an empty list of messages"),
+        (["hi"], r"p\.jsonl:1: 'prompt' message 1 must be an object .*, got a string"),
+        ([{"role": "user", "content": "a"}, 3], r"p\.jsonl:1: 'prompt' message 2 .*got a number"),
+        ([{"content": "a"}], r"p\.jsonl:1: 'prompt' message 1 has no 'role'"),
+        ([{"role": "user"}], r"p\.jsonl:1: 'prompt' message 1 has no 'content'"),
+        (
+            [{"role": 1, "content": "a"}],
+            r"p\.jsonl:1: 'prompt' message 1: 'role' must be a string, got a number",
+        ),
+        (
+            [{"role": "user", "content": None}],
+            r"p\.jsonl:1: 'prompt' message 1: 'content' must be a string, got null",
+        ),
+    ],
+)
+@pytest.mark.parametrize("flag", [True, False])
+def test_malformed_message_lists_say_what_is_wrong(
+    tmp_path: Path, value: list, pattern: str, flag: bool
+) -> None:
+    # Checked before the flag: adding --apply-chat-template would not fix these.
+    spec = _write_jsonl(tmp_path / "p.jsonl", [json.dumps({"prompt": value})])
+    with pytest.raises(ConfigError, match=pattern):
+        load_prompts(spec, apply_chat_template=flag)
+
+
+@pytest.mark.parametrize("value", [5, {"role": "user", "content": "a"}, True, None])
+def test_other_input_types_keep_the_string_error(tmp_path: Path, value: object) -> None:
+    spec = _write_jsonl(tmp_path / "p.jsonl", [json.dumps({"prompt": value})])
+    with pytest.raises(ConfigError, match=r"p\.jsonl:1: 'prompt' must be a string, got "):
+        load_prompts(spec, apply_chat_template=True)
+
+
+def test_render_message_list(char_tokenizer) -> None:
+    one_user = render_prompt(USER, char_tokenizer, apply_chat_template=True)
+    assert one_user == render_prompt("ab c=", char_tokenizer, apply_chat_template=True)
+    assert one_user == [1, *_ids("ab c="), 2]
+    sys_id = char_tokenizer.convert_tokens_to_ids("<sys>")
+    with_system = render_prompt(SYS + USER, char_tokenizer, apply_chat_template=True)
+    assert with_system == [sys_id, *_ids("be brief"), 1, *_ids("ab c="), 2]
+    with pytest.raises(ConfigError, match="add --apply-chat-template"):
+        render_prompt(USER, char_tokenizer, apply_chat_template=False)
+
+
+def test_message_lists_are_measured_after_templating(tmp_path: Path, char_tokenizer) -> None:
+    spec = _write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"prompt": SYS + USER}),
+            json.dumps({"prompt": USER}),
+            json.dumps({"prompt": "ab"}),
+        ],
+    )
+    prompts = load_prompts(spec, apply_chat_template=True)
+    ids = [render_prompt(p.text, char_tokenizer, True) for p in prompts]
+    assert [len(i) for i in ids] == [16, 7, 4]  # template tokens count
+    kept, kept_ids, dropped = filter_prompt_lengths(prompts, ids, 7, spec=spec)
+    assert [p.index for p in kept] == [1, 2] and kept_ids == ids[1:] and dropped == 1
+
+
+def test_parquet_list_of_struct_column(tmp_path: Path, char_tokenizer) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "p.parquet"
+    table = pa.table({"prompt": [SYS + USER, USER], "label": ["5", "6"]})
+    assert pa.types.is_list(table.schema.field("prompt").type)  # list<struct<content, role>>
+    pq.write_table(table, path)
+    prompts = load_prompts(str(path), apply_chat_template=True)
+    assert [(p.text, p.label, p.index) for p in prompts] == [(SYS + USER, "5", 0), (USER, "6", 1)]
+    assert render_prompt(prompts[1].text, char_tokenizer, True) == [1, *_ids("ab c="), 2]
+    with pytest.raises(ConfigError) as caught:
+        load_prompts(str(path))
+    assert str(caught.value).startswith(f"{path}: row 1: 'prompt' is a list of chat messages")
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"prompt": [[{"role": "user", "content": None}]]}), bad)
+    with pytest.raises(ConfigError, match=r"bad\.parquet: row 1: 'prompt' message 1: 'content'"):
+        load_prompts(str(bad), apply_chat_template=True)

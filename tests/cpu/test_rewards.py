@@ -6,13 +6,14 @@ remote HTTP service); that a function that raises, times out or returns NaN /
 a string / None yields None for that sample (a whole group for --group-rm)
 and is counted with its message, never raised; that a rule-based reward
 given no label fails the sample instead of matching the text "None", and
-``reward_needs_label`` says which rewards need one; that the remote client
-retries 500s until success, does not retry a 400, gives up on a server that
-never answers or a closed port; that ``score_sync`` works inside a running
-event loop; and that bad reward flags (unimportable or wrongly shaped
-function, no reward for file data, conflicting flags) fail in ``parse_args``
-with a one-line ConfigError naming the culprit. The remote service is a real
-local HTTP server.
+``reward_needs_label`` says which rewards need one; that the math scorer takes
+a list label (verl-style data) as any-of and scores a response cut off inside
+``<think>`` 0; that the remote client retries 500s until success, does not
+retry a 400, gives up on a server that never answers or a closed port; that
+``score_sync`` works inside a running event loop; and that bad reward flags
+(unimportable or wrongly shaped function, no reward for file data,
+conflicting flags) fail in ``parse_args`` with a one-line ConfigError naming
+the culprit. The remote service is a real local HTTP server.
 """
 
 from __future__ import annotations
@@ -151,6 +152,20 @@ def test_rule_rewards_without_a_label_fail() -> None:
         )
     task = build_reward_scorer(parse_args([]), task_reward=lambda r, label: 1.0)
     assert task.score_sync([RewardInput("q", "x", None, {}, 0)]) == [None]
+
+
+def test_math_scorer_list_labels_and_think_blocks() -> None:
+    """A list label is not compared as its text "['72']"; an unfinished think has no answer."""
+    scorer = build_reward_scorer(parse_args(["--rm-type", "math"]))
+    samples = [
+        RewardInput("q", r"\boxed{72}", ["72"], {}, 0),
+        RewardInput("q", r"\boxed{72}", ["71", "73"], {}, 0),
+        RewardInput("q", "<think>it is 72</think>\nAnswer: 72", "72", {}, 0),
+        RewardInput("q", r"<think>so \boxed{72}, wait", "72", {}, 0),
+        RewardInput("q", r"\boxed{72}", [], {}, 0),
+    ]
+    assert scorer.score_sync(samples) == [1.0, 0.0, 1.0, 0.0, None]
+    assert "needs a label" in scorer.last_failures[0]
 
 
 def test_which_rewards_need_a_label(hooks: str, tmp_path) -> None:

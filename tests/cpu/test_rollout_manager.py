@@ -303,3 +303,19 @@ def test_failures_in_filtered_groups_are_counted_and_reported(tmp_path, tokenize
     assert metrics["rollout/groups_filtered"] == 1.0  # a group with no reward carries no signal
     assert len(lines) == 1 and lines[0].startswith("vime: rollout 0: reward (custom ")
     assert "4 of 8 samples failed" in lines[0]
+
+
+def test_reward_sees_a_chat_message_prompt_as_the_text_the_model_was_given(
+    tmp_path, tokenizer
+) -> None:
+    """A row of chat messages reaches the reward as text (``RewardInput.prompt`` is a
+    string): the templated prompt, decoded from the ids the engine was given; a string
+    row reaches it as written."""
+    from vime.data.prompts import Prompt
+
+    manager, _ = _setup(tmp_path, tokenizer, [RIGHT], "--rm-type", "exact")
+    messages = Prompt(text=[{"role": "user", "content": "q9="}], label="ab", index=0)
+    manager.prompt_ids[0] = [tokenizer.convert_tokens_to_ids(c) for c in "<q9="]
+    assert manager._prompt_text(messages) == tokenizer.decode(manager.prompt_ids[0])
+    assert isinstance(manager._prompt_text(messages), str)
+    assert manager._prompt_text(Prompt(text="q0=", label="ab", index=0)) == "q0="

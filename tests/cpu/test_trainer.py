@@ -34,7 +34,7 @@ import pytest
 from vime.checkpoint import TRACKER, iteration_dir
 from vime.config.parser import parse_args
 from vime.data.batch import RolloutBatch, schedule
-from vime.trainer import plan_updates, save_due, update_order_seed
+from vime.trainer import plan_updates, save_due, update_order_seed, weight_transport
 
 REQUIRED = [
     "rollout/reward_mean",
@@ -352,3 +352,22 @@ def test_a_failing_rank_stops_the_run_with_its_error(tmp_path: Path) -> None:
     assert 'failing.py", line' in report and "RuntimeError: rank one gives up" in report
     assert "\x1b[" not in report  # plain text, not Ray's terminal colours
     assert not (out / "metrics.jsonl").exists() or not _metrics(out)
+
+
+@pytest.mark.parametrize(
+    ("flags", "use_gpu", "expected"),
+    [
+        ([], False, "object-store"),
+        (["--colocate"], False, "object-store"),
+        ([], True, "broadcast"),
+        (["--colocate"], True, "cuda-ipc"),
+        (["--rollout-num-gpus-per-engine", "2", "--ray-address", "h:1"], True, "object-store"),
+        (["--weight-sync", "disk"], True, "disk"),
+        (["--weight-sync", "broadcast", "--colocate"], False, "broadcast"),
+    ],
+)
+def test_auto_weight_transport_fits_the_placement(flags, use_gpu, expected) -> None:
+    """auto: CUDA IPC to colocated engines, NCCL to one-GPU engines on GPUs of their own,
+    the object store on the CPU and to tensor-parallel engines (their actors hold no GPU
+    to receive on); an explicit choice stands (validated elsewhere)."""
+    assert weight_transport(parse_args(flags), use_gpu) == expected

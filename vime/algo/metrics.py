@@ -117,14 +117,17 @@ class MetricAccumulator:
 
         Ranks may hold different names -- a pipeline stage that does not compute the
         loss holds none of the loss's metrics -- so the names are gathered first and a
-        name a rank lacks counts as (0, 0) there.
+        name a rank lacks counts as (0, 0) there. The sum is taken on host tensors on
+        every rank (vime's groups have gloo beside NCCL): the group picks its backend by
+        the tensor's device, and a stage whose metrics are all host floats would
+        otherwise enter gloo while a stage with device metrics entered NCCL, and hang.
         """
         import torch.distributed as dist
 
         gathered: list[list[str] | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, self.names(), group=group)
         names = sorted({name for part in gathered for name in part or ()})
-        device = next((t.device for t in self._sums.values()), torch.device("cpu"))
+        device = torch.device("cpu")
         zero = torch.zeros((), dtype=torch.float64, device=device)
         sums = [self._sums.get(n, zero).to(device) for n in names]
         weights = [self._weights.get(n, zero).to(device) for n in names]

@@ -141,10 +141,22 @@ class PolicyTrainActor(TrainActor):
         )
 
     def _start_rollout(self) -> int:
-        """The rollout id to start from: 0, or the one after ``--load``'s newest checkpoint."""
-        if self.args.load and checkpoint.resume_point(self.args.load) is not None:
-            return self._load(self.args.load) + 1
-        return 0
+        """The rollout id to start from: 0, or the one after ``--load``'s newest checkpoint.
+
+        Every rank must find the same one (else some would load, a collective, while
+        the others started afresh and waited elsewhere)."""
+        if not self.args.load:
+            return 0
+        point = checkpoint.resume_point(self.args.load)
+        views = self._gather(point)
+        checkpoint.check_shared("--load", self.args.load, views, "newest checkpoints")
+        return 0 if point is None else self._load(self.args.load) + 1
+
+    def _gather(self, value: Any) -> list[Any]:
+        """``value`` from every rank, in rank order (a collective)."""
+        views: list[Any] = [None] * self.world
+        dist.all_gather_object(views, value)
+        return views
 
     # ----- forward -------------------------------------------------------------------------
 
@@ -395,6 +407,10 @@ class PolicyTrainActor(TrainActor):
         save_dir = self.args.save
         partial = checkpoint.begin_save(save_dir, rollout_id, is_rank0=self.rank == 0)
         dist.barrier()
+        # Every rank writes into the folder rank 0 just made: on a node-local disk the
+        # other nodes' ranks would not see it (and their shards would be lost).
+        views = self._gather("there" if os.path.isdir(partial) else "missing")
+        checkpoint.check_shared("--save", save_dir, views, "partial checkpoint folders")
         self._write_state(partial)
         rng = {**checkpoint.rng_state(), **self._backend_rng_state()}
         torch.save(rng, os.path.join(partial, f"rng_rank{self.rank}.pt"))

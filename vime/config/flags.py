@@ -167,7 +167,15 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
         choices=WEIGHT_SYNC_TRANSPORTS,
         default="auto",
         help="how new weights reach the engines (auto: cuda-ipc when colocated on GPU, "
-        "broadcast on GPU, object-store on CPU)",
+        "broadcast to one-GPU engines on GPUs of their own, else object-store)",
+    )
+    p.add_argument(
+        "--rollout-gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="share of each rollout GPU a vLLM engine takes for weights and KV cache, in "
+        "(0, 1] (default 0.85 on GPUs of its own, 0.5 with --colocate)",
     )
     p.add_argument(
         "--update-weight-buffer-size",

@@ -129,10 +129,12 @@ def joins_cluster(args: Any) -> bool:
 
 
 def check_cluster_devices(args: Any, has_gpus: bool, lacking: str) -> None:
-    """ConfigError when flags that only work on GPUs meet a machine or cluster without
-    any; ``lacking`` says where ("none is visible here", "the Ray cluster at ... has
-    none")."""
+    """ConfigError when the flags do not fit the devices the run gets: flags that only
+    work on GPUs on a machine or cluster without any (``lacking`` says where: "none is
+    visible here", "the Ray cluster at ... has none"), and on GPUs an NCCL broadcast
+    group that would hold two ranks on one GPU or no GPU at all."""
     if has_gpus:
+        _check_gpu_broadcast(args)
         return
     if args.weight_sync == "cuda-ipc":
         raise ConfigError(
@@ -142,6 +144,26 @@ def check_cluster_devices(args: Any, has_gpus: bool, lacking: str) -> None:
         raise ConfigError(
             f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} spreads each "
             f"engine over GPUs, and {lacking}; use --rollout-num-gpus-per-engine 1"
+        )
+
+
+def _check_gpu_broadcast(args: Any) -> None:
+    """The broadcast group's ranks are training rank 0 and each engine's actor, one GPU
+    each: NCCL refuses two ranks on one device, and a tensor-parallel engine's actor
+    holds none (vLLM's workers hold its GPUs)."""
+    if args.weight_sync != "broadcast":
+        return
+    if args.colocate:
+        raise ConfigError(
+            "--weight-sync broadcast with --colocate on GPUs would put training rank 0 and "
+            "an engine on one GPU in one NCCL group, which NCCL refuses; use --weight-sync "
+            "auto (CUDA IPC)"
+        )
+    if args.rollout_num_gpus_per_engine > 1:
+        raise ConfigError(
+            "--weight-sync broadcast does not reach tensor-parallel engines on GPUs (vLLM's "
+            "workers, not the engine's actor, hold their GPUs); use --weight-sync auto "
+            "(object store)"
         )
 
 
@@ -255,6 +277,13 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
     if args.rollout_top_k != -1 and args.rollout_top_k < 1:
         raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {args.rollout_top_k}")
+    share = args.rollout_gpu_memory_utilization
+    if share is None:
+        # A colocated engine shares its GPU with a training rank that is awake (weights,
+        # optimizer state) when vLLM starts and checks that this share is free.
+        args.rollout_gpu_memory_utilization = 0.5 if args.colocate else 0.85
+    elif not 0 < share <= 1:
+        raise ConfigError(f"--rollout-gpu-memory-utilization must be in (0, 1], got {share}")
 
 
 def _check_algorithm(args: argparse.Namespace) -> None:

@@ -3,10 +3,15 @@
 Where it fits: the rollout side loads ``--prompt-data`` / ``--eval-prompt-data``
 with ``load_prompts`` (a ``.jsonl`` or ``.parquet`` file, or ``builtin:<task>``
 from ``vime.data.tasks``), renders each prompt with ``render_prompt``, drops the
-over-long ones with ``filter_prompt_lengths`` (``--rollout-max-prompt-len``), and
-draws each rollout's prompts from a ``PromptSource``. The source's position is
-part of a checkpoint, so a resumed run sees exactly the prompts the uninterrupted
-run would have seen.
+over-long ones with ``filter_prompt_lengths`` (``--rollout-max-prompt-len``, counted
+after templating), and draws each rollout's prompts from a ``PromptSource``. The
+source's position is part of a checkpoint, so a resumed run sees exactly the
+prompts the uninterrupted run would have seen.
+
+A row's input is a string, or -- with ``--apply-chat-template`` only -- a list of
+chat messages (``{"role": str, "content": str}`` objects, as in slime's and verl's
+converted datasets; a parquet list-of-struct column reads as one), which is the
+conversation handed to the tokenizer's chat template.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ SUPPORTED = ".jsonl, .parquet or builtin:<task>[:eval]"
 class Prompt:
     """One prompt row: its text, its label for the reward (None if absent), free metadata.
 
+    ``text`` is the input as the data gives it: a string, or a list of chat messages
+    (``{"role", "content"}`` dicts, loaded only with ``--apply-chat-template``).
     ``index`` is the row's position in its dataset (0-based), stable across epochs.
     """
 
-    text: str
+    text: str | list[dict]
     label: Any
     metadata: dict = field(default_factory=dict)
     index: int = 0
@@ -53,6 +60,7 @@ def load_prompts(
     metadata_key: str = "metadata",
     seed: int = 1234,
     require_label: bool = False,
+    apply_chat_template: bool = False,
 ) -> list[Prompt]:
     """Load every prompt of ``spec``; ConfigError with file and line for bad data.
 
@@ -61,7 +69,9 @@ def load_prompts(
     split) or ``builtin:<task>:eval``. The metadata field is optional; so is the
     label, unless ``require_label`` (the reward compares with it, see
     ``vime.rollout.rewards.reward_needs_label``): then a row without one, or with
-    a null one, is an error. ``seed`` only orders a built-in task's rows.
+    a null one, is an error. ``seed`` only orders a built-in task's rows. An input
+    that is a list of chat messages needs ``apply_chat_template``
+    (``--apply-chat-template``); a malformed list is an error either way.
     """
     if spec.startswith(BUILTIN_PREFIX):
         return _load_builtin(spec, seed)
@@ -73,7 +83,16 @@ def load_prompts(
         raise ConfigError(f"prompt data file not found: {spec}")
     rows = _jsonl_rows(path) if suffix == ".jsonl" else _parquet_rows(path)
     prompts = [
-        _to_prompt(row, where, index, input_key, label_key, metadata_key, require_label)
+        _to_prompt(
+            row,
+            where,
+            index,
+            input_key,
+            label_key,
+            metadata_key,
+            require_label,
+            apply_chat_template,
+        )
         for index, (where, row) in enumerate(rows)
     ]
     if not prompts:
@@ -147,6 +166,7 @@ def _to_prompt(
     label_key: str,
     metadata_key: str,
     require_label: bool,
+    apply_chat_template: bool,
 ) -> Prompt:
     if not isinstance(row, Mapping):
         raise ConfigError(f"{where}: expected an object with a '{input_key}' key, got {_kind(row)}")
@@ -165,15 +185,52 @@ def _to_prompt(
             f"{where}: '{label_key}' is null and the reward compares with a label; "
             "give every row one"
         )
-    text = row[input_key]
-    if not isinstance(text, str):
-        raise ConfigError(f"{where}: '{input_key}' must be a string, got {_kind(text)}")
+    text = _input_of(row[input_key], f"{where}: '{input_key}'", apply_chat_template)
     metadata = row.get(metadata_key)
     if metadata is None:
         metadata = {}
     elif not isinstance(metadata, Mapping):
         raise ConfigError(f"{where}: '{metadata_key}' must be an object, got {_kind(metadata)}")
     return Prompt(text=text, label=row.get(label_key), metadata=dict(metadata), index=index)
+
+
+def _input_of(value: Any, where: str, apply_chat_template: bool) -> str | list[dict]:
+    """A row's input: a string, or a well-formed message list when ``apply_chat_template``.
+
+    ``where`` is "file:line: 'key'". A malformed list is reported before the missing
+    flag, since adding the flag would not fix it.
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ConfigError(f"{where} must be a string, got {_kind(value)}")
+    messages = _messages(value, where)
+    if not apply_chat_template:
+        raise ConfigError(
+            f"{where} is a list of chat messages, which only a chat template can turn into "
+            "a prompt; add --apply-chat-template"
+        )
+    return messages
+
+
+def _messages(value: list, where: str) -> list[dict]:
+    """``value`` as a list of message dicts (copies); ConfigError saying what is wrong."""
+    if not value:
+        raise ConfigError(f"{where} is an empty list of messages; give at least one")
+    for number, message in enumerate(value, start=1):
+        if not isinstance(message, Mapping):
+            raise ConfigError(
+                f"{where} message {number} must be an object with string 'role' and "
+                f"'content', got {_kind(message)}"
+            )
+        for key in ("role", "content"):
+            if key not in message:
+                raise ConfigError(f"{where} message {number} has no '{key}'")
+            if not isinstance(message[key], str):
+                raise ConfigError(
+                    f"{where} message {number}: '{key}' must be a string, got {_kind(message[key])}"
+                )
+    return [dict(message) for message in value]
 
 
 def _kind(value: Any) -> str:
@@ -185,21 +242,27 @@ def _kind(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def render_prompt(text: str, tokenizer: Any, apply_chat_template: bool) -> list[int]:
+def render_prompt(text: str | list[dict], tokenizer: Any, apply_chat_template: bool) -> list[int]:
     """Token ids of a prompt, ready for the engine.
 
-    With ``apply_chat_template`` the text is one user message followed by the
+    With ``apply_chat_template`` the conversation -- ``text`` itself when it is a
+    list of messages, else one user message holding it -- is followed by the
     template's generation prompt (the template adds whatever BOS or role tokens it
-    wants). Without it the ids are the text's tokens and nothing else: no BOS, no
-    EOS, so a raw-text prompt is exactly what the data says.
+    wants), so a string and the one-user-message list give the same ids. Without
+    it the ids are the text's tokens and nothing else: no BOS, no EOS, so a
+    raw-text prompt is exactly what the data says; a message list is then an error.
     """
     if apply_chat_template:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ConfigError(
                 "--apply-chat-template: the tokenizer has no chat template; drop the flag"
             )
-        out = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    elif not isinstance(text, str):
+        raise ConfigError(
+            "a prompt that is a list of chat messages needs a chat template; "
+            "add --apply-chat-template"
         )
     else:
         out = tokenizer(text, add_special_tokens=False)

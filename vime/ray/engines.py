@@ -114,6 +114,7 @@ class EngineActor:
                 seed=options.get("seed", 0),
                 dtype=_checkpoint_dtype(config),
                 max_model_len=engine_max_model_len(config, options.get("max_model_len")),
+                gpu_memory_utilization=options.get("gpu_memory_utilization", 0.5),
             )
         elif kind == "hf":
             import torch

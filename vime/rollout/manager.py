@@ -179,7 +179,7 @@ class RolloutManager:
     ) -> list[_Group]:
         inputs = [
             RewardInput(
-                prompt=p.text,
+                prompt=self._prompt_text(p),
                 response=self.decode(c.response_ids),
                 label=p.label,
                 metadata=p.metadata,
@@ -194,6 +194,13 @@ class RolloutManager:
             _Group(p, self.prompt_ids[p.index], group, rewards[g * n : (g + 1) * n])
             for g, (p, group) in enumerate(zip(prompts, completions, strict=True))
         ]
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        """The prompt as the reward sees it: its text, or for a row of chat messages the
+        templated prompt the model was given (rewards take text, as they do in slime)."""
+        if isinstance(prompt.text, str):
+            return prompt.text
+        return self.tokenizer.decode(self.prompt_ids[prompt.index], skip_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The response as the reward sees it: the final stop token removed, every other

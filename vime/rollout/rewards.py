@@ -70,7 +70,11 @@ _AsyncCall = Callable[[Any], Awaitable[Any]]
 
 @dataclass(frozen=True)
 class RewardInput:
-    """One sample to score; ``group`` is the index of its prompt in the rollout."""
+    """One sample to score; ``group`` is the index of its prompt in the rollout.
+
+    ``prompt`` is the row's text, or for a row of chat messages the templated prompt the
+    model was given; ``response`` the decoded completion without its final stop token.
+    """
 
     prompt: str
     response: str

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -200,9 +201,14 @@ class VLLMEngine:
         if not on_cuda:
             _prepare_cpu_env()
         else:
+            if tensor_parallel_size == 1:
+                # In-process, as on the CPU: new weights reach the one worker as a lazy
+                # iterator over the buckets (on the GPU for NCCL and CUDA IPC), not as
+                # host copies written to files for another process to read.
+                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             # torch.cuda.is_available() (in _on_cuda) poisons fork, and vLLM forks its
-            # engine process unless CUDA is already initialised: the child would fail
-            # with "Cannot re-initialize CUDA in forked subprocess".
+            # engine and worker processes unless CUDA is already initialised: a child
+            # would fail with "Cannot re-initialize CUDA in forked subprocess".
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.sleep_mode = on_cuda if enable_sleep_mode is None else enable_sleep_mode
         self.checkpoint = str(checkpoint)
@@ -360,7 +366,7 @@ class VLLMEngine:
         else:
             from safetensors.torch import save_file
 
-            with tempfile.TemporaryDirectory(dir=_SHM if os.path.isdir(_SHM) else None) as folder:
+            with tempfile.TemporaryDirectory(dir=reload_dir(self.checkpoint)) as folder:
                 paths = []
                 for k, bucket in enumerate(buckets):
                     paths.append(os.path.join(folder, f"bucket-{k:05d}.safetensors"))
@@ -411,6 +417,16 @@ class VLLMEngine:
             raise RuntimeError(
                 f"VLLMEngine: {' and '.join(asleep)} asleep; call wake_up() before using it"
             )
+
+
+def reload_dir(checkpoint: str, shm: str = _SHM) -> str | None:
+    """Where a weight set goes for workers in other processes to read: RAM-backed
+    ``shm`` when it holds the checkpoint's weights with room to spare (containers often
+    give ``/dev/shm`` 64 MB), else None, the system's temporary folder."""
+    if not os.path.isdir(shm):
+        return None
+    weights = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors"))
+    return shm if shutil.disk_usage(shm).free > 1.25 * weights else None
 
 
 def _flatten(buckets: Iterable[list[tuple[str, Any]]]) -> Iterator[tuple[str, Any]]:
