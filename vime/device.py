@@ -91,11 +91,17 @@ class HostStash:
     parameters), so every tensor object, view, DTensor shard and optimizer
     reference stays valid while the memory is gone; ``restore`` reallocates
     and copies the bytes back, bit for bit. Storages shared by several of the
-    tensors are parked once. The tensors must not be used until ``restore``.
+    tensors are parked once. ``scratch`` tensors hold nothing worth keeping (a
+    gradient buffer between steps, all zeros): their memory is freed without a
+    host copy and comes back zero-filled. The tensors must not be used until
+    ``restore``.
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+    def __init__(
+        self, tensors: Iterable[torch.Tensor], scratch: Iterable[torch.Tensor] = ()
+    ) -> None:
         self._parked: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        self._scratch: list[tuple[torch.UntypedStorage, int]] = []
         seen: set[int] = set()
         for tensor in tensors:
             storage = tensor.untyped_storage()
@@ -108,17 +114,27 @@ class HostStash:
             )
             host.copy_(_as_bytes(storage))
             self._parked.append((storage, host))
-        for storage, _ in self._parked:
+        for tensor in scratch:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            self._scratch.append((storage, storage.nbytes()))
+        for storage, _ in [*self._parked, *self._scratch]:
             storage.resize_(0)
 
     @property
     def nbytes(self) -> int:
-        """Bytes parked in host memory."""
+        """Bytes parked in host memory (scratch storages take none)."""
         return sum(host.numel() for _, host in self._parked)
 
     def restore(self) -> None:
-        """Give every parked storage its memory and bytes back (idempotent)."""
+        """Give every parked storage its memory and bytes back, and every scratch storage
+        its memory, zero-filled (idempotent)."""
         for storage, host in self._parked:
             storage.resize_(host.numel())
             _as_bytes(storage).copy_(host)
-        self._parked = []
+        for storage, nbytes in self._scratch:
+            storage.resize_(nbytes)
+            _as_bytes(storage).zero_()
+        self._parked, self._scratch = [], []

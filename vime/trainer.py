@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from vime.backends.base import TRAIN_MEMORY_TAGS
 from vime.config.errors import ConfigError
 from vime.config.parser import Config
 from vime.config.validate import check_cluster_devices, joins_cluster
@@ -202,13 +203,13 @@ class Run:
         planned = plan_updates(args, batch, rollout_id)
         metrics.update(self.train_group.train(ray.put(planned)))
         train_time = time.perf_counter() - train_start
+        if save_due(rollout_id, args.num_rollout, args.save, args.save_interval):
+            self.save(rollout_id)  # while the optimizer state is awake
         sync_start = time.perf_counter()
         self.turns.weight_sync()
         metrics.update(self.sync_weights(rollout_id + 1))
         metrics["perf/weight_sync_time_s"] = time.perf_counter() - sync_start
         trainer_probe = self._trainer_probe()
-        if save_due(rollout_id, args.num_rollout, args.save, args.save_interval):
-            self.save(rollout_id)
         self.turns.rollout()  # the probe's engine half, eval and the next generation
         metrics.update(self._probe_diff(trainer_probe))
         eval_due = args.eval_interval and (rollout_id + 1) % args.eval_interval == 0
@@ -325,38 +326,40 @@ class DeviceTurns:
 
     ``rollout``: the engines generate, score and evaluate while training sleeps.
     ``train``: training runs (and saves, and exports) while the engines sleep.
-    ``weight_sync``: from ``train``, the engines wake their weights only, so the new
-    ones load while training still holds its memory (it is their source and scores
-    the probe); the KV cache comes back at the next ``rollout``, once training sleeps.
-    Each turn puts a side to sleep before the other wakes: only the engines' weights
-    ever share the devices with training's memory. Both sides start awake.
+    ``weight_sync``: from ``train``, training parks its ``train_state`` (gradients,
+    optimizer state: the sync reads only the weights) and the engines wake their weights
+    only, so the new ones load beside training's weights (their source, which also
+    scores the probe); the KV cache comes back at the next ``rollout``, once training
+    sleeps. Each turn puts parts to sleep before others wake: only the two sides'
+    weights ever share the devices. Both sides start awake.
     """
 
     def __init__(self, train_group: Any, engines: Any, *, colocate: bool) -> None:
         self.train_group, self.engines, self.colocate = train_group, engines, colocate
-        self.trainer_awake = True
+        self.trainer_awake: frozenset[str] = frozenset(TRAIN_MEMORY_TAGS)
         self.engines_awake: frozenset[str] = frozenset(MEMORY_TAGS)
 
     def rollout(self) -> None:
-        self._turn(trainer=False, engines=frozenset(MEMORY_TAGS))
+        self._turn(trainer=frozenset(), engines=frozenset(MEMORY_TAGS))
 
     def train(self) -> None:
-        self._turn(trainer=True, engines=frozenset())
+        self._turn(trainer=frozenset(TRAIN_MEMORY_TAGS), engines=frozenset())
 
     def weight_sync(self) -> None:
-        self._turn(trainer=True, engines=self.engines_awake | {"weights"})
+        weights = frozenset({"weights"})
+        self._turn(trainer=self.trainer_awake & weights, engines=self.engines_awake | weights)
 
-    def _turn(self, *, trainer: bool, engines: frozenset[str]) -> None:
+    def _turn(self, *, trainer: frozenset[str], engines: frozenset[str]) -> None:
         if not self.colocate:
             return
         awake = self.engines_awake
-        if self.trainer_awake and not trainer:
-            self.train_group.sleep()
+        if self.trainer_awake - trainer:
+            self.train_group.sleep(sorted(self.trainer_awake - trainer))
         if awake and not engines:
             self.engines.sleep()
             awake = frozenset()
-        if trainer and not self.trainer_awake:
-            self.train_group.wake_up()
+        if trainer - self.trainer_awake:
+            self.train_group.wake_up(sorted(trainer - self.trainer_awake))
         if engines - awake:
             self.engines.wake_up(sorted(engines - awake))
             awake |= engines

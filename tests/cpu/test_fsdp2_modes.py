@@ -204,11 +204,11 @@ def _state_tensors(actor) -> list[torch.Tensor]:
 
 
 def _sleep_then_continue(actor, args, world: int) -> dict:
-    """One more rollout after sleep/wake and after a stash round trip of every parameter
-    shard and AdamW moment, against a twin that trained without either."""
-    from vime.device import HostStash
-
+    """One more rollout after sleep/wake, and after the same sleep/wake parking host
+    tensors as it parks CUDA ones on a GPU (first ``train_state`` alone, as a colocated
+    weight sync runs, then everything), against a twin that trained without either."""
     before = [(t.data_ptr(), t.clone()) for t in _state_tensors(actor)]
+    weights = _full_weights(actor)
     actor.sleep()
     untouched_asleep = all(
         t.data_ptr() == p for (p, _), t in zip(before, _state_tensors(actor), strict=True)
@@ -217,13 +217,33 @@ def _sleep_then_continue(actor, args, world: int) -> dict:
     untouched = untouched_asleep and all(
         torch.equal(t, b) for (_, b), t in zip(before, _state_tensors(actor), strict=True)
     )
-    # What sleep parks on a GPU (there it keeps only CUDA tensors), parked here on the CPU.
-    parked = actor.parked_tensors()
+    parked = [t for keep, scratch in actor._park_plans().values() for t in keep + scratch]
     plain = not any(isinstance(t, DTensor) for t in parked)
-    stash = HostStash(parked)
+    actor._parks_on = lambda device: True  # what sleep does to CUDA tensors, on host ones
+    moments = _state_tensors(actor)[len(actor.params) :]
+    actor.sleep(["train_state"])
+    partial = {
+        "moments_freed": all(t.untyped_storage().nbytes() == 0 for t in moments),
+        "shards_kept": all(p.to_local().untyped_storage().nbytes() > 0 for p in actor.params),
+        "weights_readable": all(
+            torch.equal(w, weights[n]) for n, w in _full_weights(actor).items()
+        ),
+    }
+    try:
+        actor.train(_sched(1, world))
+        partial["train_refused"] = ""
+    except RuntimeError as err:
+        partial["train_refused"] = str(err)
+    actor.sleep()
     freed = all(t.untyped_storage().nbytes() == 0 for t in _state_tensors(actor))
-    stashed_bytes = stash.nbytes
-    stash.restore()
+    stashed_bytes = sum(stash.nbytes for stash in actor._asleep.values())
+    try:
+        _full_weights(actor)
+        buckets_refused = ""
+    except RuntimeError as err:
+        buckets_refused = str(err)
+    actor.wake_up()
+    del actor._parks_on
     restored = all(
         torch.equal(t, b) for (_, b), t in zip(before, _state_tensors(actor), strict=True)
     )
@@ -234,7 +254,9 @@ def _sleep_then_continue(actor, args, world: int) -> dict:
     return {
         "untouched": untouched,
         "plain": plain,
+        "partial": partial,
         "freed": freed,
+        "buckets_refused": buckets_refused,
         "stashed_bytes": stashed_bytes,
         "restored": restored,
         "weights": _full_weights(actor),
@@ -412,11 +434,18 @@ def test_sleep_and_wake_are_noops_on_cpu_and_training_continues(modes) -> None:
 
 
 def test_host_stash_frees_in_place_and_restores_bitwise(modes) -> None:
-    """The mechanism sleep uses on CUDA, run on the tensors sleep parks there (the
-    actor's ``parked_tensors``: plain tensors, since a DTensor's storage is not its own
-    and HostStash could not read it) on CPU; every shard and AdamW moment is among them."""
+    """sleep and wake_up as they run on CUDA, made to park host tensors: plain tensors
+    only (a DTensor's storage is not its own, HostStash could not read it); ``train_state``
+    alone frees the AdamW moments, keeps the shards and a readable weight source, and
+    training refuses to run; then everything is freed, the weight source refuses, and
+    wake_up restores it all bit for bit."""
     got = modes["sleep"]
     assert got["plain"], "sleep would hand HostStash a DTensor"
+    partial = got["partial"]
+    assert partial["moments_freed"] and partial["shards_kept"], partial
+    assert partial["weights_readable"], "the weight source changed with train_state asleep"
+    assert "train_state asleep" in partial["train_refused"], partial
+    assert "weights asleep" in got["buckets_refused"], got["buckets_refused"]
     assert got["freed"], "a stashed storage still holds memory"
     assert got["stashed_bytes"] > 0
     assert got["restored"], "stash round trip changed a parameter or optimizer tensor"

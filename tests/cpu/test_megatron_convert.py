@@ -13,7 +13,8 @@ processes (vocab-parallel logits gathered), where the real TP=2 model's own
 shards also convert back to the HF weights. The row goes in megatron-core's THD
 format (``PackedSeqParams``, vime's per-run core attention); the same row as one
 sequence under a block-diagonal mask (megatron-core's dense attention) gives the
-same logits and parameter gradients.
+same logits and parameter gradients. A pipeline stage reads from disk only the HF
+tensors its own parameters come from.
 """
 
 from __future__ import annotations
@@ -116,6 +117,39 @@ def _assert_matches_hf(logits: torch.Tensor, reference: list) -> None:
 
 
 # ----- conversion --------------------------------------------------------------------------
+
+
+def test_a_stage_reads_only_its_own_tensors_from_disk(tmp_path: Path) -> None:
+    """What a pipeline stage loads: ``LazyHFState`` gives the saved tensors and their shapes
+    (shapes from the file headers), reading a tensor only when asked for; converting
+    ``only`` a stage's megatron names equals those entries of the whole conversion and
+    reads no other tensor; a name nothing maps to is refused."""
+    config = CONFIGS["qwen3"]()
+    model = _hf_model(config)
+    model.save_pretrained(tmp_path, max_shard_size="200KB")  # several files, as real ones
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    lazy = convert.LazyHFState(str(tmp_path))
+    state = model.state_dict()
+    assert set(lazy) == set(state) - {"lm_head.weight"} or set(lazy) == set(state)
+    for name in lazy:
+        assert lazy.shape(name) == tuple(state[name].shape), name
+        assert torch.equal(lazy[name], state[name]), name
+    whole = convert.hf_to_megatron(lazy, config, 1, 2)
+    stage = {n for n in whole if n.startswith("decoder.layers.1.")}
+    reads: list[str] = []
+
+    class Counting(convert.LazyHFState):
+        def __getitem__(self, key: str) -> torch.Tensor:
+            reads.append(key)
+            return super().__getitem__(key)
+
+    part = convert.hf_to_megatron(Counting(str(tmp_path)), config, 1, 2, only=stage)
+    assert sorted(part) == sorted(stage)
+    for name in stage:
+        assert torch.equal(part[name], whole[name]), name
+    assert reads and all(key.startswith("model.layers.1.") for key in reads), reads
+    with pytest.raises(ValueError, match="no HF tensors map to"):
+        convert.hf_to_megatron(lazy, config, only={"decoder.layers.99.nothing"})
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

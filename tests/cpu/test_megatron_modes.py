@@ -23,7 +23,6 @@ pytest.importorskip("megatron.core")
 
 from vime.algo.metrics import MetricAccumulator
 from vime.data.batch import schedule
-from vime.device import HostStash
 
 GRANULARITIES = ("none", "selective", "full")
 MODES = {g: ("--megatron-recompute-granularity", g) for g in GRANULARITIES}
@@ -98,10 +97,13 @@ def job_modes(rank: int, world: int, hf: str) -> dict:
                 p.data_ptr() == ptr and torch.equal(p, value)
                 for (ptr, value), p in zip(before, actor.params, strict=True)
             )
-            # What sleep parks on a GPU, parked here: every weight leaves, then comes back.
-            stash = HostStash(actor.parked_tensors())
+            # sleep as on a GPU, made to park these host tensors: every weight leaves, then
+            # comes back with wake_up.
+            actor._parks_on = lambda device: True
+            actor.sleep()
             results["stash_freed"] = all(p.untyped_storage().nbytes() == 0 for p in actor.params)
-            stash.restore()
+            actor.wake_up()
+            del actor._parks_on
             results["stash_restored"] = all(
                 torch.equal(p, value) for (_, value), p in zip(before, actor.params, strict=True)
             )

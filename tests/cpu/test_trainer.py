@@ -15,7 +15,9 @@ rollout is trained as is the planner's schedule under that seed, unlike the
 unshuffled one. Under ``--colocate`` the engines refuse work while asleep (on
 the CPU too), so the colocated run proves the sleep/wake order: engines asleep
 only while training trains. Prompts over ``--rollout-max-prompt-len`` are
-counted in every metrics line and in summary.json.
+counted in every metrics line and in summary.json. The colocated turns' order
+(training keeps only its weights through the weight sync) and the auto weight
+transport per placement are checked as pure functions.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ import pytest
 from vime.checkpoint import TRACKER, iteration_dir
 from vime.config.parser import parse_args
 from vime.data.batch import RolloutBatch, schedule
-from vime.trainer import plan_updates, save_due, update_order_seed, weight_transport
+from vime.trainer import (
+    DeviceTurns,
+    plan_updates,
+    save_due,
+    update_order_seed,
+    weight_transport,
+)
 
 REQUIRED = [
     "rollout/reward_mean",
@@ -371,3 +379,41 @@ def test_auto_weight_transport_fits_the_placement(flags, use_gpu, expected) -> N
     the object store on the CPU and to tensor-parallel engines (their actors hold no GPU
     to receive on); an explicit choice stands (validated elsewhere)."""
     assert weight_transport(parse_args(flags), use_gpu) == expected
+
+
+def test_colocated_turns_share_a_device_with_weights_only() -> None:
+    """Under --colocate the sides take turns: a side's parts go to sleep before the other
+    side's wake, and during the weight sync the trainer keeps only its weights (its
+    gradients and optimizer state parked) while the engines wake only theirs. Without
+    --colocate nothing sleeps."""
+    calls: list[tuple[str, str, object]] = []
+
+    class Side:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def sleep(self, tags=None) -> None:
+            calls.append((self.name, "sleep", tags))
+
+        def wake_up(self, tags=None) -> None:
+            calls.append((self.name, "wake_up", tags))
+
+    turns = DeviceTurns(Side("trainer"), Side("engines"), colocate=True)
+    for turn in ("rollout", "train", "weight_sync", "rollout", "train"):
+        getattr(turns, turn)()
+    assert calls == [
+        ("trainer", "sleep", ["train_state", "weights"]),  # rollout
+        ("engines", "sleep", None),  # train
+        ("trainer", "wake_up", ["train_state", "weights"]),
+        ("trainer", "sleep", ["train_state"]),  # weight_sync
+        ("engines", "wake_up", ["weights"]),
+        ("trainer", "sleep", ["weights"]),  # rollout
+        ("engines", "wake_up", ["kv_cache"]),
+        ("engines", "sleep", None),  # train
+        ("trainer", "wake_up", ["train_state", "weights"]),
+    ]
+    calls.clear()
+    alone = DeviceTurns(Side("trainer"), Side("engines"), colocate=False)
+    for turn in ("rollout", "train", "weight_sync", "rollout"):
+        getattr(alone, turn)()
+    assert calls == []

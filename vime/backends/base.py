@@ -11,8 +11,23 @@ HF-named buckets, which is what lets them be checked against each other.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+# What ``sleep`` frees, by part: ``train_state`` (gradients, main weights, optimizer
+# state: only training reads them) and ``weights`` (what the forward and the weight
+# source read). A colocated weight sync runs with ``train_state`` asleep.
+TRAIN_MEMORY_TAGS = ("train_state", "weights")
+
+
+def train_tags(tags: Sequence[str] | None) -> list[str]:
+    """The parts ``tags`` names, in ``TRAIN_MEMORY_TAGS`` order (all for None)."""
+    if tags is None:
+        return list(TRAIN_MEMORY_TAGS)
+    unknown = sorted(set(tags) - set(TRAIN_MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"unknown training memory parts {unknown}; use {TRAIN_MEMORY_TAGS}")
+    return [t for t in TRAIN_MEMORY_TAGS if t in tags]
 
 
 class TrainActor(abc.ABC):
@@ -46,8 +61,9 @@ class TrainActor(abc.ABC):
     def export_hf(self, path: str) -> None:
         """Write an HF folder (safetensors, config, tokenizer) of the current weights."""
 
-    def sleep(self) -> None:  # noqa: B027 - a no-op default is the contract on CPU
-        """Free accelerator memory between phases (no-op on CPU)."""
+    def sleep(self, tags: Sequence[str] | None = None) -> None:  # noqa: B027 - no-op default
+        """Free accelerator memory between phases: the ``TRAIN_MEMORY_TAGS`` parts named,
+        or all (nothing to free on CPU)."""
 
-    def wake_up(self) -> None:  # noqa: B027
-        """Restore what ``sleep`` freed (no-op on CPU)."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:  # noqa: B027
+        """Restore what ``sleep`` freed: the parts named, or all."""

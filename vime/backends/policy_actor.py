@@ -36,7 +36,7 @@ from vime import device as vime_device
 from vime.algo import load_function, policy_loss
 from vime.algo.metrics import MetricAccumulator
 from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
-from vime.backends.base import TrainActor
+from vime.backends.base import TRAIN_MEMORY_TAGS, TrainActor, train_tags
 from vime.backends.optim import LRSchedule, StepResult, optimizer_step, param_groups
 from vime.data.batch import TrainSchedule, pad_rows
 from vime.data.micro_batch import response_log_probs
@@ -75,8 +75,12 @@ class PolicyTrainActor(TrainActor):
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the step's gradient (the same number on every rank)."""
 
-    def _device_buffers(self) -> list[torch.Tensor]:
-        """Further tensors ``sleep`` parks: a backend's own weight or gradient buffers."""
+    def _weight_buffers(self) -> list[torch.Tensor]:
+        """A backend's own buffers that hold weights (``sleep`` parks them with them)."""
+        return []
+
+    def _scratch_buffers(self) -> list[torch.Tensor]:
+        """A backend's own gradient buffers, all zeros between steps (``sleep`` frees them)."""
         return []
 
     def _release_gathered(self) -> None:
@@ -125,7 +129,7 @@ class PolicyTrainActor(TrainActor):
         self.samples_consumed = 0
         self.optimizer_steps = 0
         self.skipped_steps = 0
-        self._stash: HostStash | None = None
+        self._asleep: dict[str, HostStash] = {}  # TRAIN_MEMORY_TAGS part -> its stash
         # The reference model is the initial weights, kept as host copies of this rank's shards.
         self.ref_shards = self._host_copies() if args.use_kl_loss else None
 
@@ -212,6 +216,7 @@ class PolicyTrainActor(TrainActor):
         index, at the micro-batch geometry ``train`` uses."""
         if which not in ("actor", "ref"):
             raise ValueError(f"which must be 'actor' or 'ref', got {which!r}")
+        self._check_awake("weights")  # a forward: gradients and optimizer state may sleep
         if which == "ref":
             if self.ref_shards is None:
                 raise ValueError("no reference model: KL loss is off")
@@ -235,6 +240,7 @@ class PolicyTrainActor(TrainActor):
 
     def train(self, schedule: TrainSchedule) -> dict[str, float]:
         """Every optimizer step of one rollout; metrics reduced over micro-batches and ranks."""
+        self._check_awake()
         plan = schedule.plan
         ref = self.compute_log_probs(schedule, "ref") if self.loss_config.use_kl else None
         # One update per rollout: pi_old is the current policy, so no recomputation (ratio == 1).
@@ -336,40 +342,69 @@ class PolicyTrainActor(TrainActor):
 
     # ----- accelerator memory --------------------------------------------------------------
 
-    def sleep(self) -> None:
-        """Free this rank's accelerator memory while the rollout engine has the GPU.
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        """Free this rank's accelerator memory while the rollout engine has the GPU: the
+        ``TRAIN_MEMORY_TAGS`` parts named in ``tags``, or all.
 
-        The weight shards, any main weights, any gradients and the optimizer state that
-        live on the GPU go to host memory (their storages are emptied in place, so the optimizer
-        and the model keep valid references), and the allocator cache is returned;
-        tensors already on the host (e.g. ``--fsdp-cpu-offload``) stay where they are.
-        On CPU nothing lives on an accelerator, so this is a no-op. Nothing may run
-        on the model until ``wake_up``.
+        ``train_state`` is what only training reads: gradients, main weights, optimizer
+        state, gradient buffers; ``weights`` the weight shards the forward and the weight
+        source read (parking ``train_state`` alone frees what a weight sync does not
+        need). Their storages are emptied in place, so the optimizer and the model keep
+        valid references; a gradient buffer, all zeros between steps, is freed without a
+        host copy and comes back zeroed. Tensors already on the host (e.g.
+        ``--fsdp-cpu-offload``) stay where they are, so on CPU nothing moves; the parts
+        asleep are tracked on every device, and training refuses to run until
+        ``wake_up``.
         """
-        if self._stash is not None:
+        parts = [part for part in train_tags(tags) if part not in self._asleep]
+        if not parts:
             return
         self._release_gathered()
-        parked = self.parked_tensors()
-        self._stash = HostStash(t for t in parked if vime_device.is_cuda(t.device))
+        plans = self._park_plans()
+        for part in parts:
+            keep, scratch = plans[part]
+            self._asleep[part] = HostStash(
+                (t for t in keep if self._parks_on(t.device)),
+                (t for t in scratch if self._parks_on(t.device)),
+            )
         vime_device.empty_cache()
 
-    def parked_tensors(self) -> list[torch.Tensor]:
-        """What ``sleep`` parks, on any device (it keeps those on an accelerator): the
-        weight shards, main weights, gradients, backend buffers and optimizer state, each
-        as the plain tensor that owns its storage (a DTensor's storage is not its own)."""
-        tensors = list(self._local_tensors())
-        tensors += [_storage(p) for p in self.trained_params]
-        tensors += [_storage(p.grad) for p in self.trained_params if p.grad is not None]
-        tensors += self._device_buffers()
-        for state in self.optimizer.state.values():
-            tensors += [_storage(v) for v in state.values() if isinstance(v, torch.Tensor)]
-        return tensors  # HostStash parks a storage several of them share once
+    # What sleep frees: accelerator memory (a test parks host tensors the same way).
+    _parks_on = staticmethod(vime_device.is_cuda)
 
-    def wake_up(self) -> None:
-        """Put back, bit for bit, what ``sleep`` moved to the host (no-op on CPU)."""
-        if self._stash is not None:
-            self._stash.restore()
-            self._stash = None
+    def _park_plans(self) -> dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Per ``TRAIN_MEMORY_TAGS`` part, the tensors ``sleep`` copies to the host and the
+        scratch ones it only frees, each the plain tensor that owns its storage (a
+        DTensor's is not its own); a storage is in one part only."""
+
+        def ptr(t: torch.Tensor) -> int:
+            return t.untyped_storage().data_ptr()
+
+        weights = [*self._local_tensors(), *self._weight_buffers()]
+        taken = {ptr(t) for t in weights}
+        scratch = [t for t in self._scratch_buffers() if ptr(t) not in taken]
+        taken |= {ptr(t) for t in scratch}  # views of a scratch buffer are not copied
+        state = [_storage(p) for p in self.trained_params]
+        state += [_storage(p.grad) for p in self.trained_params if p.grad is not None]
+        for values in self.optimizer.state.values():
+            state += [_storage(v) for v in values.values() if isinstance(v, torch.Tensor)]
+        state = [t for t in state if ptr(t) not in taken]
+        return {"weights": (weights, []), "train_state": (state, scratch)}
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Put back, bit for bit, the parts ``sleep`` parked that ``tags`` names (all for
+        None)."""
+        for part in train_tags(tags):
+            stash = self._asleep.pop(part, None)
+            if stash is not None:
+                stash.restore()
+
+    def _check_awake(self, *parts: str) -> None:
+        asleep = sorted(set(parts or TRAIN_MEMORY_TAGS) & set(self._asleep))
+        if asleep:
+            raise RuntimeError(
+                f"{type(self).__name__}: {' and '.join(asleep)} asleep; call wake_up() first"
+            )
 
     # ----- weights out ---------------------------------------------------------------------
 
@@ -404,6 +439,7 @@ class PolicyTrainActor(TrainActor):
         dcp.save(self._state(), checkpoint_id=str(folder))
 
     def save(self, rollout_id: int, extra: dict[str, Any] | None = None) -> None:
+        self._check_awake()
         save_dir = self.args.save
         partial = checkpoint.begin_save(save_dir, rollout_id, is_rank0=self.rank == 0)
         dist.barrier()

@@ -13,6 +13,7 @@ rank fails.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -67,11 +68,11 @@ class TrainWorker:
     def export_hf(self, path: str) -> None:
         self.actor.export_hf(path)
 
-    def sleep(self) -> None:
-        self.actor.sleep()
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        self.actor.sleep(tags)
 
-    def wake_up(self) -> None:
-        self.actor.wake_up()
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self.actor.wake_up(tags)
 
     # --- weight transports: every rank iterates the buckets (collective); rank 0 sends ---
 
@@ -156,11 +157,12 @@ class RayTrainGroup:
     def export_hf(self, path: str) -> None:
         self._all(f"exporting to {path}", "export_hf", path)
 
-    def sleep(self) -> None:
-        self._all("putting training to sleep", "sleep")
+    def sleep(self, tags: Sequence[str] | None = None) -> None:
+        """Every rank frees the ``TRAIN_MEMORY_TAGS`` parts named (all for None)."""
+        self._all("putting training to sleep", "sleep", tags)
 
-    def wake_up(self) -> None:
-        self._all("waking training", "wake_up")
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._all("waking training", "wake_up", tags)
 
     # --- weight sync ---
 

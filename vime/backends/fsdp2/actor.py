@@ -93,6 +93,7 @@ class FSDP2Actor(PolicyTrainActor):
 
         A collective: every rank must iterate it to the end (``full_tensor`` all-gathers).
         """
+        self._check_awake("weights")
         dtype = self._hf_dtype()
         entries = (
             WeightEntry(

@@ -80,19 +80,6 @@ from vime.data.micro_batch import response_log_probs
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 
 
-def read_hf_state(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the ``*.safetensors`` files of an HF folder."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    return state
-
-
 def recompute_fields(granularity: str) -> dict[str, Any]:
     """``TransformerConfig`` fields of ``--megatron-recompute-granularity``.
 
@@ -205,14 +192,19 @@ class MegatronActor(PolicyTrainActor):
         # megatron-core builds its layers on the GPU, but leaves modules it did not make
         # where they were made; the whole model goes to this rank's device.
         model.to(self.device)
-        # Every rank reads the checkpoint and keeps its stage's TP shard (fine on the host).
-        hf_state = read_hf_state(self.args.hf_checkpoint)
-        self.hf_shapes = {name: tuple(t.shape) for name, t in hf_state.items()}
-        full = convert.hf_to_megatron(
-            hf_state, self.hf_config, self.tp_rank, self.tp, fused_norms=self.fused_norms
-        )
-        del hf_state
+        # Every rank reads, one tensor at a time, only what its stage holds, and keeps its
+        # TP shard: host memory is this rank's share, not a whole checkpoint per rank.
+        hf_state = convert.LazyHFState(self.args.hf_checkpoint)
+        self.hf_shapes = {name: hf_state.shape(name) for name in hf_state}
         local_keys = [k for k in model.state_dict() if not k.endswith("_extra_state")]
+        full = convert.hf_to_megatron(
+            hf_state,
+            self.hf_config,
+            self.tp_rank,
+            self.tp,
+            fused_norms=self.fused_norms,
+            only={self.stage.global_name(k) for k in local_keys},
+        )
         mmodel.load_megatron_state(model, {k: full[self.stage.global_name(k)] for k in local_keys})
         model.train()
         return model
@@ -267,8 +259,12 @@ class MegatronActor(PolicyTrainActor):
     def trained_params(self) -> list[torch.Tensor]:
         return self.optimizer.main_params if self.distributed else self.train_params
 
-    def _device_buffers(self) -> list[torch.Tensor]:
-        return self.optimizer.buffers() if self.distributed else []
+    def _weight_buffers(self) -> list[torch.Tensor]:
+        return self.optimizer.param_buffers() if self.distributed else []
+
+    def _scratch_buffers(self) -> list[torch.Tensor]:
+        # Emptied after every step, taken or skipped (_optimizer_step).
+        return self.optimizer.grad_buffers() if self.distributed else []
 
     # ----- backend hooks -------------------------------------------------------------------
 
@@ -444,6 +440,7 @@ class MegatronActor(PolicyTrainActor):
 
         A collective over the TP group: every rank must iterate it to the end.
         """
+        self._check_awake("weights")
         return iter_buckets(self._hf_entries(self._hf_dtype(), lambda _n, p: p), bucket_bytes)
 
     # ----- checkpoints ---------------------------------------------------------------------

@@ -28,8 +28,9 @@ so either naming describes the same checkpoint tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -291,6 +292,43 @@ def _check_hf_keys(state_dict: Mapping[str, Tensor], maps: Iterable[ParamMap], t
         )
 
 
+class LazyHFState(Mapping[str, Tensor]):
+    """The tensors of an HF folder's ``*.safetensors`` files, each read from disk only when
+    asked for (and not kept): a rank converts its own pipeline stage's tensors one at a
+    time instead of holding the whole checkpoint in host memory, as every rank of a node
+    would otherwise do at once."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        self._file: dict[str, str] = {}
+        self._shape: dict[str, tuple[int, ...]] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                    self._file[key] = str(file)
+                    self._shape[key] = tuple(handle.get_slice(key).get_shape())
+
+    def __getitem__(self, key: str) -> Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self._file[key], framework="pt") as handle:
+            return handle.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The tensor's shape, read from the file header (no data read)."""
+        return self._shape[key]
+
+
 def hf_to_megatron(
     state_dict: Mapping[str, Tensor],
     hf_config: Any,
@@ -298,14 +336,21 @@ def hf_to_megatron(
     tp_size: int = 1,
     *,
     fused_norms: bool = False,
+    only: Collection[str] | None = None,
 ) -> dict[str, Tensor]:
     """TP rank ``tp_rank``'s megatron state dict from a full HF one, in the local spec's
-    names (TransformerEngine's with ``fused_norms``)."""
+    names (TransformerEngine's with ``fused_norms``); with ``only``, just those megatron
+    names (a pipeline stage's), the other HF tensors never read."""
     gpt_extra(hf_config, tp=tp_size)  # rejects what cannot be split or reproduced
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside tensor-parallel size {tp_size}")
     maps = param_map(hf_config, fused_norms=fused_norms)
     _check_hf_keys(state_dict, maps, bool(getattr(hf_config, "tie_word_embeddings", False)))
+    if only is not None:
+        unknown = sorted(set(only) - {pm.megatron for pm in maps})
+        if unknown:
+            raise ValueError(f"no HF tensors map to {unknown[:8]}")
+        maps = [pm for pm in maps if pm.megatron in only]
     return {
         pm.megatron: _shard_one(pm, [state_dict[n] for n in pm.hf], hf_config, tp_rank, tp_size)
         for pm in maps

@@ -145,14 +145,13 @@ class DistributedOptimizer:
 
     # ----- memory and checkpoints --------------------------------------------------------------
 
-    def buffers(self) -> list[torch.Tensor]:
-        """The DDP wrapper's contiguous weight and gradient buffers (``sleep`` parks them)."""
-        out = []
-        for buffer in self.ddp.buffers:
-            out.append(buffer.grad_data)
-            if buffer.param_data is not None:
-                out.append(buffer.param_data)
-        return out
+    def param_buffers(self) -> list[torch.Tensor]:
+        """The DDP wrapper's contiguous weight buffers (the model's weights are views)."""
+        return [b.param_data for b in self.ddp.buffers if b.param_data is not None]
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The DDP wrapper's contiguous fp32 gradient buffers (zeros between steps)."""
+        return [b.grad_data for b in self.ddp.buffers]
 
     def sharded_state(self, model_state: dict[str, Any], *, is_loading: bool) -> dict[str, Any]:
         """megatron-core's sharded state dict of this rank's main weights, moments and step."""
