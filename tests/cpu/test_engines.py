@@ -187,6 +187,15 @@ def test_tensor_parallel_engines_name_their_bundles_for_vllm(colocate: bool) -> 
     assert [s.bundle for s in specs] == [first, first + 2]
 
 
+def test_tensor_parallel_engines_name_the_placement_groups_own_bundles() -> None:
+    """With the bundles reordered by node (``Placement.order``), vLLM is told the
+    placement group's indices while the actor's own bundle stays the layout's."""
+    layout = Layout(num_train=2, num_engines=1, gpus_per_engine=2, colocate=False, use_gpu=True)
+    spec = engine_actor_spec(layout, 0, order=[0, 2, 1, 3])
+    assert spec.env_vars["VLLM_RAY_BUNDLE_INDICES"] == "1,3"
+    assert spec.bundle == 2  # logical: Placement.strategy maps it through the order
+
+
 def test_cpu_engines_take_no_gpu() -> None:
     layout = Layout(num_train=1, num_engines=1, gpus_per_engine=2, colocate=False, use_gpu=False)
     spec = engine_actor_spec(layout, 0)

@@ -8,7 +8,8 @@ blocked (as a rank stuck in a collective would be): nothing hangs. Joining an
 address where a server accepts connections but is not a Ray GCS (one that says
 nothing, one that answers like a web server) is refused by ``start_ray`` with
 a one-line ``ConfigError`` naming the address and the head's port, where
-``ray.init`` would retry for minutes.
+``ray.init`` would retry for minutes. Ranks and engines take the placement group's
+bundles node by node, however Ray numbered them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from vime.ray.placement import (
     Layout,
     label_actor,
     layout_of,
+    node_major_order,
     start_ray,
     wait_all,
 )
@@ -154,3 +156,22 @@ def test_start_ray_refuses_a_listener_that_is_not_ray(not_ray: str, monkeypatch)
         start_ray(not_ray, 1)
     message = str(caught.value)
     assert not_ray in message and "--port" in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("nodes", "num_train", "expected"),
+    [
+        (["a", "a", "a"], 2, [0, 1, 2]),  # one node: as Ray numbered them
+        (["a", "b", "a", "b"], 4, [0, 2, 1, 3]),  # interleaved: ranks 0-1 on a, 2-3 on b
+        (["b", "a", "b", "a", "a", "b"], 4, [0, 2, 1, 3, 4, 5]),  # rollout bundles apart
+        (["a", "b", "a", "b", "b", "a", "b"], 2, [0, 1, 2, 5, 3, 4, 6]),
+    ],
+)
+def test_bundles_are_taken_node_by_node(nodes, num_train, expected) -> None:
+    """Consecutive training ranks (the tensor-parallel groups) and each engine's bundles
+    land on one node whatever order Ray numbered the bundles in; training bundles stay
+    training bundles, and the order is a permutation."""
+    order = node_major_order(nodes, num_train)
+    assert order == expected
+    assert sorted(order) == list(range(len(nodes)))
+    assert all(b < num_train for b in order[:num_train])

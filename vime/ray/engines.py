@@ -66,7 +66,9 @@ class EngineActorSpec:
     env_vars: dict[str, str]
 
 
-def engine_actor_spec(layout: Layout, engine: int) -> EngineActorSpec:
+def engine_actor_spec(
+    layout: Layout, engine: int, order: Sequence[int] | None = None
+) -> EngineActorSpec:
     """Ray placement of engine ``engine``'s actor on its bundles (pure, tested on the CPU).
 
     One GPU per engine: the actor takes that GPU (a share of it under ``--colocate``)
@@ -75,14 +77,17 @@ def engine_actor_spec(layout: Layout, engine: int) -> EngineActorSpec:
     so the actor holds no GPU itself, lets its child tasks into the group, and names
     the engine's bundles in ``VLLM_RAY_BUNDLE_INDICES`` (by default vLLM would take
     the group's first GPU bundles, which are the training ranks'), each worker taking
-    the GPU share the actor would have taken.
+    the GPU share the actor would have taken. ``bundle`` is the layout's (logical)
+    index; vLLM is told the placement group's own indices, ``order`` mapping one to
+    the other (``Placement.order``; the identity when None).
     """
     bundles = layout.engine_bundles(engine)
+    physical = [order[b] for b in bundles] if order is not None else bundles
     share = COLOCATED_GPU_SHARE if layout.colocate else 1.0
     env = dict(ENGINE_ENV_VARS)
     tensor_parallel = layout.use_gpu and len(bundles) > 1
     if tensor_parallel:
-        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in bundles)
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in physical)
         env["VLLM_RAY_PER_WORKER_GPUS"] = str(share)
     return EngineActorSpec(
         bundle=bundles[0],
@@ -264,7 +269,7 @@ class EngineGroup:
         remote = ray.remote(EngineActor)
         self.actors = []
         for e in range(layout.num_engines):
-            spec = engine_actor_spec(layout, e)
+            spec = engine_actor_spec(layout, e, placement.order)
             actor = remote.options(
                 num_cpus=spec.num_cpus,
                 num_gpus=spec.num_gpus,

@@ -20,11 +20,12 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vime.config.errors import ConfigError
@@ -186,17 +187,42 @@ def _unreachable(address: str, reason: str) -> str:
     )
 
 
+def node_major_order(bundle_nodes: Sequence[str], num_train: int) -> list[int]:
+    """The placement group's bundles in the order ranks and engines take them (pure).
+
+    Ray does not promise that a PACK group's consecutive bundles share a node, while
+    consecutive training ranks form the tensor-parallel groups whose collectives must
+    stay inside a node, and a tensor-parallel engine's bundles should too. So the
+    training bundles ``[0, num_train)`` come first, then the rollout ones, each grouped
+    by node (nodes in order of first appearance, bundles in index order within one).
+    ``bundle_nodes[b]`` is the node bundle ``b`` landed on.
+    """
+
+    def grouped(indices: range) -> list[int]:
+        rank_of_node: dict[str, int] = {}
+        for b in indices:
+            rank_of_node.setdefault(bundle_nodes[b], len(rank_of_node))
+        return sorted(indices, key=lambda b: rank_of_node[bundle_nodes[b]])
+
+    return grouped(range(num_train)) + grouped(range(num_train, len(bundle_nodes)))
+
+
 @dataclass
 class Placement:
+    """The run's placement group; ``order[i]`` is the bundle that logical bundle ``i`` of
+    the layout (training rank i, then the rollout devices) runs on."""
+
     group: PlacementGroup
     layout: Layout
+    order: list[int]
 
     def strategy(
         self, bundle: int, *, capture_child_tasks: bool = False
     ) -> PlacementGroupSchedulingStrategy:
+        """Schedule onto logical bundle ``bundle`` (mapped through ``order``)."""
         return PlacementGroupSchedulingStrategy(
             placement_group=self.group,
-            placement_group_bundle_index=bundle,
+            placement_group_bundle_index=self.order[bundle],
             placement_group_capture_child_tasks=capture_child_tasks,
         )
 
@@ -214,7 +240,9 @@ def reserve(layout: Layout) -> Placement:
             f"{layout.num_rollout_bundles} rollout) but the Ray cluster has "
             f"{have.get(kind, 0):g} {kind}; lower the counts or add nodes"
         )
-    return Placement(group, layout)
+    nodes = placement_group_table(group)["bundles_to_node_id"]
+    order = node_major_order([nodes[b] for b in range(layout.num_bundles)], layout.num_train)
+    return Placement(group, layout, order)
 
 
 def wait_all(refs: list[Any], what: str) -> list[Any]:
