@@ -125,9 +125,8 @@ def head() -> Iterator[str]:
     command += ["--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp_dir]
     command += [item for pair in ports.items() for item in pair]
     log_path = Path(temp_dir) / "head.log"
-    ray_bin = Path(sys.executable).with_name("ray")
-    if ray_bin.exists():
-        command[0] = str(ray_bin)
+    # This interpreter's Ray, not whichever `ray` script the PATH finds first.
+    command[:1] = [sys.executable, "-m", "ray.scripts.scripts"]
     with open(log_path, "w") as log:
         # Its own session: the head's daemons share its process group, which is all we stop.
         proc = subprocess.Popen(
