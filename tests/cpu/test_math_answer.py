@@ -155,6 +155,8 @@ def test_math_reward() -> None:
         ("\\boxed{5}", "x=5"),
         ("\\boxed{1000}", "1{,}000"),
         ("\\boxed{A}", r"\text{(A)}"),
+        ("Answer: 5 apples", "5"),
+        ("Answer: $18 dollars an hour.", "18"),
     ],
 )
 def test_real_model_answers_score_1(response: str, label: object) -> None:
@@ -192,6 +194,7 @@ def test_real_model_answers_score_1(response: str, label: object) -> None:
         ("<think>a</think> 34 <think> recheck 34", "34"),
         # the answer line wins over a later (correct-looking) number
         ("Answer: 12\nbut 34 was the other one", "34"),
+        ("Answer: First we compute 3+4 = 7", "7"),  # a sentence is not a number with units
         # list labels: no element matches, or none at all
         (r"\boxed{72}", ["71", "73"]),
         (r"\boxed{72}", "['72', '73']"),

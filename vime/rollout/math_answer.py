@@ -17,7 +17,8 @@ Where it fits: ``vime.rollout.rewards`` scores a math sample with
    kept whole, a box cut off before its closing brace skipped); else the last
    explicit final-answer line -- a line starting ``Answer:``, ``Final answer:``,
    ``The final answer is:`` (case-insensitive, markdown such as
-   ``**Answer:**`` allowed), whose answer is the rest of that line; else the
+   ``**Answer:**`` allowed), whose answer is the rest of that line (a number
+   followed by plain words -- units -- is that number); else the
    last number (negative, thousands commas, decimals or a simple fraction:
    ``-3``, ``1,234``, ``0.5``, ``3/4``). No answer scores 0.
 3. **Label** (:func:`math_reward`): the label itself, or the last ``\boxed{}``
@@ -86,6 +87,7 @@ _FRAC = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _ATOM = re.compile(r"-?[0-9A-Za-z.]+")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _CHOICE = re.compile(r"\(([A-Za-z])\)")
+_PLAIN_UNITS = re.compile(r"^\$?(-?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+[A-Za-z][A-Za-z .]*$")
 
 
 def answer_text(response: str) -> str | None:
@@ -123,6 +125,9 @@ def _answer_lines(text: str) -> list[str]:
     lines = []
     for match in _ANSWER_LINE.finditer(text):
         value = match.group(1).strip(" \t*").rstrip(".").strip(" \t*")
+        units = _PLAIN_UNITS.match(value)  # "5 apples", "18 dollars an hour": the number
+        if units:
+            value = units.group(1)
         if value:
             lines.append(value)
     return lines
