@@ -193,7 +193,7 @@ def _check_placement(args: argparse.Namespace) -> None:
             "vllm engine (tensor parallel), which does not import here; use "
             "--rollout-num-gpus-per-engine 1, or install vllm"
         )
-    if args.weight_sync == "cuda-ipc" or args.rollout_num_gpus_per_engine > 1:
+    if args.weight_sync == "cuda-ipc" or tensor_parallel:
         from vime import device  # imports torch: only paid when the flags need GPUs
 
         check_cluster_devices(args, device.cuda_available(), "none is visible here")

@@ -75,8 +75,10 @@ _SPACING = re.compile(r"\\[,!;: ]|\\q?quad(?![A-Za-z])|\\left(?![A-Za-z])|\\righ
 _ASSIGNMENT = re.compile(r"^(?:[A-Za-z]|\\[A-Za-z]+)\s*=\s*([^=]+)$")
 _WRAPPER = r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox)"
 _UNWRAP = re.compile(_WRAPPER + r"\s*\{([^{}]*)\}")
+# A plain numeral: sign, digits with any commas, decimals.
+_NUMERAL = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
 _NUMBER_WITH_UNIT = re.compile(
-    r"^(-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)|-?\\frac\{[^{}]*\}\{[^{}]*\})\s*"
+    r"^(" + _NUMERAL + r"|-?\\frac\{[^{}]*\}\{[^{}]*\})\s*"
     r"(?:" + _WRAPPER + r"\s*\{\s*[A-Za-z][A-Za-z ./]*\}\s*(?:\^\s*\{?\s*\d\s*\}?)?\s*)+$"
 )
 _ANY_FRAC = re.compile(r"\\[dt]frac(?![A-Za-z])")
@@ -87,7 +89,7 @@ _FRAC = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _ATOM = re.compile(r"-?[0-9A-Za-z.]+")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _CHOICE = re.compile(r"\(([A-Za-z])\)")
-_PLAIN_UNITS = re.compile(r"^\$?(-?(?:\d[\d,]*(?:\.\d+)?|\.\d+))\s+[A-Za-z][A-Za-z .]*$")
+_PLAIN_UNITS = re.compile(r"^\$?(" + _NUMERAL + r")\s+[A-Za-z][A-Za-z .]*$")
 
 
 def answer_text(response: str) -> str | None:
