@@ -165,12 +165,25 @@ class PolicyTrainActor(TrainActor):
     # ----- forward -------------------------------------------------------------------------
 
     def _host_copies(self) -> list[torch.Tensor]:
-        return [t.detach().to("cpu", copy=True) for t in self._local_tensors()]
+        # Pinned next to a GPU, so the reference swap's copies are DMA transfers.
+        pin = vime_device.is_cuda(self.device)
+        return [
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t.detach())
+            for t in self._local_tensors()
+        ]
 
-    def _swap_in(self, tensors: list[torch.Tensor]) -> None:
+    def _exchange(self, held: list[torch.Tensor]) -> None:
+        """Swap this rank's weights with ``held`` (host tensors of the same shapes), bit
+        for bit: afterwards the weights hold what ``held`` held, and ``held`` the weights.
+
+        One tensor at a time through a device copy, so a swap and its swap back cost no
+        host memory beyond ``held`` itself and no allocation but one shard's device copy.
+        """
         with torch.no_grad():
-            for local, value in zip(self._local_tensors(), tensors, strict=True):
+            for local, value in zip(self._local_tensors(), held, strict=True):
+                staged = local.detach().clone()
                 local.copy_(value)
+                value.copy_(staged)
 
     def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
         return batch.pack(indices, pad_to_multiple_of=self.row_multiple).to(self.device)
@@ -220,8 +233,7 @@ class PolicyTrainActor(TrainActor):
         if which == "ref":
             if self.ref_shards is None:
                 raise ValueError("no reference model: KL loss is off")
-            actor_copies = self._host_copies()
-            self._swap_in(self.ref_shards)
+            self._exchange(self.ref_shards)  # the reference in; the actor parked in its place
         out: PerSample = {}
 
         def record(indices: tuple[int, ...], packed: Any, logp: torch.Tensor, _: Any) -> None:
@@ -233,7 +245,7 @@ class PolicyTrainActor(TrainActor):
                 self._run_micro_batches(schedule.batch, micro_batches, record, backward=False)
         finally:
             if which == "ref":
-                self._swap_in(actor_copies)
+                self._exchange(self.ref_shards)
         return out
 
     # ----- train ---------------------------------------------------------------------------

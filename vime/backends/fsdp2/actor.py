@@ -114,12 +114,12 @@ class FSDP2Actor(PolicyTrainActor):
                 # leaves the groups gathered; free those full copies too.
                 module.reshard()
 
-    def _swap_in(self, tensors: list[torch.Tensor]) -> None:
-        # With --no-fsdp-reshard-after-forward the reference's log-prob forward leaves its
-        # weights gathered, and the next forward would compute with those copies instead of
-        # the actor's values swapped back into the shards: drop them first.
+    def _exchange(self, held: list[torch.Tensor]) -> None:
+        # With --no-fsdp-reshard-after-forward a log-prob forward leaves its weights
+        # gathered, and the next forward would compute with those copies instead of the
+        # values swapped into the shards: drop them first.
         self._release_gathered()
-        super()._swap_in(tensors)
+        super()._exchange(held)
 
     # ----- checkpoints ---------------------------------------------------------------------
 
