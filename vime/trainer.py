@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -119,22 +120,24 @@ class Run:
         threads = max(1, (os.cpu_count() or 1) // max(1, args.actor_num_gpus_per_node))
         self.train_group = RayTrainGroup(args.train_backend, self.placement)
         self.start_rollout = self.train_group.init(args, threads)
-        self.engines = EngineGroup(
-            args.rollout_engine,
-            checkpoint_dir,
-            self.placement,
-            {
-                "num_threads": os.cpu_count() or 1,
-                "tensor_parallel_size": args.rollout_num_gpus_per_engine,
-                "seed": args.seed,
-                # The longest sequence a rollout makes: what the KV cache must hold.
-                "max_model_len": args.rollout_max_prompt_len + args.rollout_max_response_len,
-                "gpu_memory_utilization": args.rollout_gpu_memory_utilization,
-            },
+        engine_options = {
+            "num_threads": os.cpu_count() or 1,
+            "tensor_parallel_size": args.rollout_num_gpus_per_engine,
+            "seed": args.seed,
+            # The longest sequence a rollout makes: what the KV cache must hold.
+            "max_model_len": args.rollout_max_prompt_len + args.rollout_max_response_len,
+            "gpu_memory_utilization": args.rollout_gpu_memory_utilization,
+        }
+        self.turns = DeviceTurns(
+            self.train_group,
+            lambda: EngineGroup(
+                args.rollout_engine, checkpoint_dir, self.placement, engine_options
+            ),
+            colocate=args.colocate,
         )
+        self.engines = self.turns.engines
         engines = f"{self.engines.kind} ({self.engines.reason}), {layout.num_engines} engine(s)"
         self.log(f"vime: rollout engine {engines}")
-        self.turns = DeviceTurns(self.train_group, self.engines, colocate=args.colocate)
         self.manager = RolloutManager(
             args,
             self.engines,
@@ -167,6 +170,7 @@ class Run:
     def train(self) -> dict[str, Any]:
         args = self.args
         if self.start_rollout > 0:  # the engines start from the HF checkpoint, not the resume
+            self.turns.weight_sync()
             self.sync_weights(self.start_rollout)
         for rollout_id in range(self.start_rollout, args.num_rollout):
             try:
@@ -326,17 +330,27 @@ class DeviceTurns:
 
     ``rollout``: the engines generate, score and evaluate while training sleeps.
     ``train``: training runs (and saves, and exports) while the engines sleep.
-    ``weight_sync``: from ``train``, training parks its ``train_state`` (gradients,
-    optimizer state: the sync reads only the weights) and the engines wake their weights
-    only, so the new ones load beside training's weights (their source, which also
-    scores the probe); the KV cache comes back at the next ``rollout``, once training
-    sleeps. Each turn puts parts to sleep before others wake: only the two sides'
-    weights ever share the devices. Both sides start awake.
+    ``weight_sync``: training holds its weights only (from ``train`` it parks its
+    ``train_state``, gradients and optimizer state: the sync reads only the weights) and
+    the engines wake their weights, so the new ones load beside training's weights (their
+    source, which also scores the probe); the KV cache comes back at the next
+    ``rollout``, once training sleeps. Each turn puts parts to sleep before others wake:
+    only the two sides' weights ever share the devices.
+
+    The engines are started here (``start_engines``), colocated after training has gone
+    to sleep: vLLM starts only where its share of the device is free. So training starts
+    asleep under ``--colocate``, the engines awake.
     """
 
-    def __init__(self, train_group: Any, engines: Any, *, colocate: bool) -> None:
-        self.train_group, self.engines, self.colocate = train_group, engines, colocate
+    def __init__(
+        self, train_group: Any, start_engines: Callable[[], Any], *, colocate: bool
+    ) -> None:
+        self.train_group, self.colocate = train_group, colocate
         self.trainer_awake: frozenset[str] = frozenset(TRAIN_MEMORY_TAGS)
+        if colocate:
+            train_group.sleep()
+            self.trainer_awake = frozenset()
+        self.engines = start_engines()
         self.engines_awake: frozenset[str] = frozenset(MEMORY_TAGS)
 
     def rollout(self) -> None:
@@ -347,7 +361,7 @@ class DeviceTurns:
 
     def weight_sync(self) -> None:
         weights = frozenset({"weights"})
-        self._turn(trainer=self.trainer_awake & weights, engines=self.engines_awake | weights)
+        self._turn(trainer=weights, engines=self.engines_awake | weights)
 
     def _turn(self, *, trainer: frozenset[str], engines: frozenset[str]) -> None:
         if not self.colocate:

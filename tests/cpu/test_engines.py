@@ -13,7 +13,8 @@ but its bundles named for vLLM's Ray workers (never the training ranks' bundles)
 Also that ``EngineGroup.generate`` samples the same completions for the same seed
 whether one, two or three engines (here in-process HF engines standing in for the
 actors) share the batch. And that after a failed weight transfer a dead engine is
-named as the cause.
+named as the cause, and that a process an engine actor starts (vLLM's engine core of a
+tensor-parallel engine) joins the run's Ray cluster instead of starting an empty one.
 """
 
 from __future__ import annotations
@@ -261,5 +262,38 @@ def test_a_dead_engine_is_named_as_the_cause() -> None:
         group.actors[1].die.remote()
         with pytest.raises(ActorFailure, match=r"^syncing weights failed: rollout engine 1 \(pid"):
             group.raise_if_one_died("syncing weights")
+    finally:
+        ray.shutdown()
+
+
+def test_a_process_an_engine_starts_joins_the_runs_ray_cluster() -> None:
+    """vLLM runs a tensor-parallel engine's core in a child process that calls
+    ``ray.init()`` to place its workers in the engine's placement group. From a real Ray
+    actor prepared as the vLLM engine prepares itself, such a child joins the run's
+    cluster (same GCS address); unprepared it would start a second, empty one."""
+    ray = pytest.importorskip("ray")
+    import subprocess
+
+    from vime.rollout import vllm_engine
+
+    child = (
+        "import ray; ray.init(log_to_driver=False); "
+        "print(ray.get_runtime_context().gcs_address); ray.shutdown()"
+    )
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+
+        @ray.remote(num_cpus=0)
+        class Engine:
+            def clusters(self) -> tuple[str, str]:
+                vllm_engine._children_join_this_ray()
+                out = subprocess.run(
+                    [sys.executable, "-c", child], capture_output=True, text=True, timeout=120
+                )
+                assert out.returncode == 0, out.stderr[-3000:]
+                return ray.get_runtime_context().gcs_address, out.stdout.strip().splitlines()[-1]
+
+        own, childs = ray.get(Engine.remote().clusters.remote())
+        assert childs == own
     finally:
         ray.shutdown()

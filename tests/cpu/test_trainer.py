@@ -6,7 +6,8 @@ writes one metrics line per rollout with every promised key and sane values;
 the engines serve the version just trained (1, 2, 3) and score the probe
 sequence as the trainer does (fp32: 1e-4); checkpoints, the HF export, the
 plot and the final eval land in the output folder. A run resumed from the
-checkpoint of rollout 1 redoes rollout 2 exactly as the uninterrupted run did
+checkpoint of rollout 1 (colocated: training asleep from the start, the loaded
+weights synced first) redoes rollout 2 exactly as the uninterrupted run did
 (same samples, same loss): sampling is seeded by run seed and rollout id, and
 the data position is part of the checkpoint. Both runs split each rollout into
 two optimizer steps with ``--shuffle-updates``, so the resumed loss matches only
@@ -189,6 +190,9 @@ def test_resume_redoes_the_next_rollout_exactly(full_run: Path, tmp_path: Path) 
         str(ckpt),
         "--weight-sync",
         "disk",
+        # Colocated, the resumed run starts with training asleep and syncs the loaded
+        # weights first: the engines then refuse to serve until the weight-sync turn.
+        "--colocate",
         *SHUFFLED,
         cwd=tmp_path,
     )
@@ -382,10 +386,11 @@ def test_auto_weight_transport_fits_the_placement(flags, use_gpu, expected) -> N
 
 
 def test_colocated_turns_share_a_device_with_weights_only() -> None:
-    """Under --colocate the sides take turns: a side's parts go to sleep before the other
-    side's wake, and during the weight sync the trainer keeps only its weights (its
-    gradients and optimizer state parked) while the engines wake only theirs. Without
-    --colocate nothing sleeps."""
+    """Under --colocate the sides take turns: training sleeps before the engines start
+    (vLLM starts only where its share of the device is free), a side's parts go to sleep
+    before the other side's wake, and during the weight sync the trainer keeps only its
+    weights (its gradients and optimizer state parked) while the engines wake only theirs,
+    also when a resumed run syncs first. Without --colocate nothing sleeps."""
     calls: list[tuple[str, str, object]] = []
 
     class Side:
@@ -398,12 +403,17 @@ def test_colocated_turns_share_a_device_with_weights_only() -> None:
         def wake_up(self, tags=None) -> None:
             calls.append((self.name, "wake_up", tags))
 
-    turns = DeviceTurns(Side("trainer"), Side("engines"), colocate=True)
+    def start_engines() -> Side:
+        calls.append(("engines", "start", None))
+        return Side("engines")
+
+    turns = DeviceTurns(Side("trainer"), start_engines, colocate=True)
     for turn in ("rollout", "train", "weight_sync", "rollout", "train"):
         getattr(turns, turn)()
     assert calls == [
-        ("trainer", "sleep", ["train_state", "weights"]),  # rollout
-        ("engines", "sleep", None),  # train
+        ("trainer", "sleep", None),  # the engines start on devices training gave up
+        ("engines", "start", None),
+        ("engines", "sleep", None),  # train (rollout: as the engines started)
         ("trainer", "wake_up", ["train_state", "weights"]),
         ("trainer", "sleep", ["train_state"]),  # weight_sync
         ("engines", "wake_up", ["weights"]),
@@ -412,8 +422,17 @@ def test_colocated_turns_share_a_device_with_weights_only() -> None:
         ("engines", "sleep", None),  # train
         ("trainer", "wake_up", ["train_state", "weights"]),
     ]
+    # A resumed run syncs the loaded weights first, from the start: training wakes its
+    # weights only, beside the engines as they started.
     calls.clear()
-    alone = DeviceTurns(Side("trainer"), Side("engines"), colocate=False)
+    DeviceTurns(Side("trainer"), start_engines, colocate=True).weight_sync()
+    assert calls == [
+        ("trainer", "sleep", None),
+        ("engines", "start", None),
+        ("trainer", "wake_up", ["weights"]),
+    ]
+    calls.clear()
+    alone = DeviceTurns(Side("trainer"), start_engines, colocate=False)
     for turn in ("rollout", "train", "weight_sync", "rollout"):
         getattr(alone, turn)()
-    assert calls == []
+    assert calls == [("engines", "start", None)]

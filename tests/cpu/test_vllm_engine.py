@@ -13,8 +13,9 @@ renormalised truncated distribution, greedy ones are at T = 1; EOS from the chec
 makes the engine serve the new weights (stale prefix cache dropped) and
 advances ``weight_version``; loading one bucket per call, as the broadcast and
 CUDA-IPC receivers do, serves the new weights exactly when the stream is re-cut
-by ``WholeLayers`` -- and leaves fused layers stale when it is not (vLLM's reload
-restores any layer a call did not fully cover: the reason ``WholeLayers`` exists);
+by ``WholeLayers`` -- and serves wrong fused layers when it is not (vLLM's reload
+rebuilds each layer a call touched from that call's tensors alone: the reason
+``WholeLayers`` exists);
 building the engine leaves the caller's RNG alone;
 a sleeping engine refuses to generate, score or load weights (on CPU, where
 nothing is freed, too), loads weights once its weights are awake and serves once

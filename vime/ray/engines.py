@@ -179,8 +179,12 @@ class EngineActor:
 
         from vime.weights.transports import open_cuda_bucket
 
-        self._load_partial(open_cuda_bucket(handles, torch.cuda.current_device()), copy=True)
-        torch.cuda.synchronize()  # copied out before the sender may free the memory
+        bucket = open_cuda_bucket(handles, torch.cuda.current_device())
+        self._load_partial(bucket, copy=True)
+        # Copied out before the sender may free the memory, and the views closed only
+        # after the copies queued on them have run.
+        torch.cuda.synchronize()
+        del bucket
 
     def _load_partial(self, bucket: list[Any], *, copy: bool) -> None:
         """Load the bucket's whole layers now; a layer that may go on in the next bucket

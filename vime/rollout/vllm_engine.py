@@ -120,6 +120,24 @@ def _prepare_cpu_env() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def _children_join_this_ray() -> None:
+    """Point the processes this one spawns at the Ray cluster it is connected to.
+
+    A tensor-parallel engine runs vLLM's engine core in a spawned child, which calls
+    ``ray.init()`` to place the workers in this actor's placement group. With no
+    ``RAY_ADDRESS`` (a driver's ``ray.init()`` leaves no address file behind; only
+    ``ray start`` does) that child would start a second, empty cluster where the group
+    does not exist. vLLM sets the address itself only when it also picks the start
+    method, which vime presets.
+    """
+    try:
+        import ray
+    except ImportError:
+        return
+    if ray.is_initialized():
+        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+
+
 def _eos_token_ids(checkpoint: str) -> list[int]:
     """EOS ids from ``generation_config.json``, else ``config.json``.
 
@@ -210,6 +228,7 @@ class VLLMEngine:
             # engine and worker processes unless CUDA is already initialised: a child
             # would fail with "Cannot re-initialize CUDA in forked subprocess".
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+            _children_join_this_ray()
         self.sleep_mode = on_cuda if enable_sleep_mode is None else enable_sleep_mode
         self.checkpoint = str(checkpoint)
         self.weight_version = 0
@@ -244,12 +263,13 @@ class VLLMEngine:
         core = type(self._llm.llm_engine.engine_core).__name__
         executor = self._llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
         self._in_process = core == "InprocClient" and executor == "uni"
-        # Every reload warns that the rotary buffers and a tied lm_head got no weights:
-        # expected (they have none of their own; vime_reload_weights re-ties the head).
-        # Set after the engine exists: building it (re)configures vLLM's loggers.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
-            logging.ERROR
-        )
+        # Every reload warns that the rotary buffers and a tied lm_head got no weights
+        # (they have none of their own; vime_reload_weights re-ties the head), and every
+        # partial reload (a streamed bucket) names all the weights it did not carry: both
+        # expected. Set after the engine exists: building it (re)configures vLLM's loggers.
+        for part in ("layerwise", "inplace"):
+            logger = logging.getLogger(f"vllm.model_executor.model_loader.reload.{part}")
+            logger.setLevel(logging.ERROR)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions for each prompt, in prompt order.
@@ -351,8 +371,9 @@ class VLLMEngine:
         final call).
 
         All buckets go through *one* ``reload_weights`` call: vLLM's in-place
-        reload restores any layer a call did not fully cover, so a fused layer
-        (qkv, gate_up) split across two calls would be half stale. In-process
+        reload rebuilds every layer a call touched, and the parts of a fused layer
+        (qkv, gate_up) the call did not carry come out of uninitialised memory, so a
+        layer split across two calls would be half garbage. In-process
         the worker consumes the buckets lazily, one at a time. Workers in other
         processes cannot take tensors by RPC (the engine core re-pickles them
         as memoryviews and fails), so there each bucket goes to a safetensors

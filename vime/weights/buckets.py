@@ -147,9 +147,10 @@ class WholeLayers:
     """Re-cuts a stream of buckets so that no decoder layer is split between two of them.
 
     A receiver that loads each bucket as it arrives (the broadcast and CUDA-IPC
-    transports) needs this with vLLM: its in-place reload treats every layer a call
-    did not fully cover as not loaded and puts the old tensors back, so a fused layer
-    (qkv, gate_up) whose HF parts arrive in two buckets would stay half stale.
+    transports) needs this with vLLM: its in-place reload rebuilds every layer a call
+    touched from what the call carried, so a fused layer (qkv, gate_up) whose HF parts
+    arrive in two buckets would come out half uninitialised memory (a layer a call does
+    not touch at all keeps its tensors).
     ``feed`` returns what can be loaded now -- everything but the bucket's last
     layer, which may continue in the next bucket -- and ``flush`` the held-back rest
     once the stream ends. A held-back tensor is cloned when ``copy``: a CUDA-IPC
