@@ -85,6 +85,35 @@ def _entry(rank: int, world: int, port: int, job: Callable, job_args: tuple, out
     os._exit(0)
 
 
+# What every rank imports, loaded once into the fork server the ranks are forked from: on
+# 2 slow cores a fresh interpreter spends 5-15 s importing these, per rank and per run.
+PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "vime.backends.fsdp2.actor",
+    "vime.backends.megatron.actor",
+)
+
+
+def start_method() -> str:
+    """``forkserver`` where nothing CUDA could have been touched before the fork; ``spawn``
+    on a machine with CUDA (a forked child cannot use a CUDA context its parent made)."""
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
+def start_ranks(entry: Callable, args: tuple, world: int) -> None:
+    """``entry(rank, *args)`` on ``world`` fresh processes; raises if any of them fails."""
+    method = start_method()
+    if method == "forkserver":
+        # Only before the server first starts (later calls would be ignored); a module
+        # missing here (megatron-core not installed) is skipped by the server.
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(list(PRELOAD))
+    mp.start_processes(entry, args=args, nprocs=world, start_method=method)
+
+
 def spawn(job: Callable, world: int, tmp_path: Path, *job_args: Any) -> Any:
     """Run ``job(rank, world, *job_args)`` on ``world`` gloo processes; rank 0's result.
 
@@ -92,5 +121,5 @@ def spawn(job: Callable, world: int, tmp_path: Path, *job_args: Any) -> Any:
     initialize the default process group (every actor's ``init`` does).
     """
     out = str(tmp_path / f"{job.__name__}_{world}_{random.random()}.pt")
-    mp.spawn(_entry, args=(world, free_port(), job, job_args, out), nprocs=world)
+    start_ranks(_entry, (world, free_port(), job, job_args, out), world)
     return torch.load(out, weights_only=False)
