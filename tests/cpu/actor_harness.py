@@ -8,9 +8,11 @@ the update is exercised); ``make_batch`` is a seeded random rollout.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -102,16 +104,35 @@ def start_method() -> str:
     return "spawn" if torch.cuda.is_available() else "forkserver"
 
 
-def start_ranks(entry: Callable, args: tuple, world: int) -> None:
-    """``entry(rank, *args)`` on ``world`` fresh processes; raises if any of them fails."""
-    method = start_method()
-    if method == "forkserver":
-        # Only before the server first starts (later calls would be ignored); a module
-        # missing here (megatron-core not installed) is skipped by the server.
-        import multiprocessing
+def _logged(rank: int, log: str, entry: Callable, args: tuple) -> None:
+    # A forked rank's stdout and stderr are the fork server's, not the test's: into a file
+    # the test process prints once the ranks are done (so pytest captures them as before).
+    fd = os.open(f"{log}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    entry(rank, *args)
 
-        multiprocessing.set_forkserver_preload(list(PRELOAD))
-    mp.start_processes(entry, args=args, nprocs=world, start_method=method)
+
+def start_ranks(entry: Callable, args: tuple, world: int) -> None:
+    """``entry(rank, *args)`` on ``world`` fresh processes; raises if any of them fails.
+    What the ranks print is printed here, rank by rank, once they are done."""
+    method = start_method()
+    if method == "spawn":
+        mp.start_processes(entry, args=args, nprocs=world, start_method=method)
+        return
+    # Only before the server first starts (later calls would be ignored); a module
+    # missing here (megatron-core not installed) is skipped by the server.
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    with tempfile.TemporaryDirectory() as folder:
+        log = os.path.join(folder, "rank")
+        try:
+            mp.start_processes(_logged, args=(log, entry, args), nprocs=world, start_method=method)
+        finally:
+            for rank in range(world):
+                if os.path.exists(f"{log}.{rank}"):
+                    sys.stdout.write(Path(f"{log}.{rank}").read_text(errors="replace"))
+            sys.stdout.flush()
 
 
 def spawn(job: Callable, world: int, tmp_path: Path, *job_args: Any) -> Any:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from actor_harness import start_ranks
 from tiny_models import LLAMA31_ROPE, tiny_llama_config, tiny_qwen3_config
 from transformers import (
     AutoModelForCausalLM,
@@ -357,7 +357,7 @@ def test_tensor_parallel_2_matches_hf(tmp_path: Path) -> None:
         hf = _hf_model(config)
         torch.save(hf.state_dict(), tmp_path / f"{name}.pt")
         references[name] = (config, hf.state_dict(), _hf_reference(hf))
-    mp.spawn(_tp2_worker, args=(free_port(), TP2_CONFIGS, tmp_path, tmp_path), nprocs=2)
+    start_ranks(_tp2_worker, (free_port(), TP2_CONFIGS, tmp_path, tmp_path), 2)
     for name, (config, state, reference) in references.items():
         results = [torch.load(tmp_path / f"{name}.{r}.pt") for r in range(2)]
         for result in results:  # every rank sees the full (gathered) vocabulary
