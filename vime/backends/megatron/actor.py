@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from vime import device as vime_device
+from vime.backends.collectives import all_reduce_sum
 from vime.backends.megatron import checkpoint as mcheckpoint
 from vime.backends.megatron import convert, pipeline
 from vime.backends.megatron import model as mmodel
@@ -344,13 +345,12 @@ class MegatronActor(PolicyTrainActor):
         for param in self.train_params:
             if param.grad is None:  # e.g. a rank whose share was empty: still take part
                 param.grad = torch.zeros_like(param)
-        for param in self.tp_partial:
-            dist.all_reduce(param.grad, group=self.tp_group)
-        for param in self.embedding_pair:
-            dist.all_reduce(param.grad, group=self.embedding_group)
+        if self.tp_partial:
+            all_reduce_sum([p.grad for p in self.tp_partial], self.tp_group)
+        if self.embedding_pair:
+            all_reduce_sum([p.grad for p in self.embedding_pair], self.embedding_group)
         if self.dp_size > 1:
-            for param in self.train_params:
-                dist.all_reduce(param.grad, group=self.dp_group)
+            all_reduce_sum([p.grad for p in self.train_params], self.dp_group)
 
     def _optimizer_step(self, num_samples: int) -> StepResult:
         """The shared chokepoint; then bf16 weights re-rounded from their main copies, or
