@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from vime.weights.buckets import WeightEntry, iter_buckets
+
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
@@ -21,22 +23,18 @@ def flat_buckets(
     tensors: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> Iterator[list[torch.Tensor]]:
     """``tensors`` in groups of one dtype and device, in order within each, each group at
-    most ``bucket_bytes`` unless a single tensor is larger (it is a group of its own)."""
+    most ``bucket_bytes`` unless a single tensor is larger (it is a group of its own):
+    ``iter_buckets``' rule, applied per dtype and device."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     for same_kind in by_kind.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for tensor in same_kind:
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(tensor)
-            size += nbytes
-        if bucket:
-            yield bucket
+        entries = (
+            WeightEntry(str(i), tensor.numel() * tensor.element_size(), lambda t=tensor: t)
+            for i, tensor in enumerate(same_kind)
+        )
+        for bucket in iter_buckets(entries, bucket_bytes):
+            yield [tensor for _, tensor in bucket]
 
 
 @torch.no_grad()

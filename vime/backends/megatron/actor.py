@@ -345,10 +345,8 @@ class MegatronActor(PolicyTrainActor):
         for param in self.train_params:
             if param.grad is None:  # e.g. a rank whose share was empty: still take part
                 param.grad = torch.zeros_like(param)
-        if self.tp_partial:
-            all_reduce_sum([p.grad for p in self.tp_partial], self.tp_group)
-        if self.embedding_pair:
-            all_reduce_sum([p.grad for p in self.embedding_pair], self.embedding_group)
+        all_reduce_sum([p.grad for p in self.tp_partial], self.tp_group)
+        all_reduce_sum([p.grad for p in self.embedding_pair], self.embedding_group)
         if self.dp_size > 1:
             all_reduce_sum([p.grad for p in self.train_params], self.dp_group)
 
