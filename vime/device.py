@@ -58,6 +58,13 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def synchronize() -> None:
+    """Wait for the work queued on the accelerator by every thread of this process (a
+    no-op on CPU, or where CUDA was never used here)."""
+    if cuda_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def cuda_rng_states() -> list[torch.Tensor] | None:
     """Every CUDA generator's state, or None where CUDA has not been initialized here
     (reading them would initialize CUDA in a process that never used it)."""

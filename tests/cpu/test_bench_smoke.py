@@ -3,8 +3,9 @@
 Proves: the bench runs end to end at a tiny size for each backend (both paths
 build, train one step and report), prints the side-by-side table, and both paths' first step
 gives the same loss and grad norm (the bench's own check, exit status 0). Also
-that vime's packed rows forward no padding while the naive rows do. No timing
-is asserted: the figures depend on the machine and its load.
+that vime's packed rows forward no padding while the naive rows do; and that the
+idle-engine and engine-update benches run and report. No timing is asserted: the
+figures depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -23,23 +24,28 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
+def _run_bench(script: str, flags: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """``bench/<script>`` with ``flags`` on the CPU; fails the test on a non-zero exit."""
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
 def test_train_step_bench_smoke(backend: str, tmp_path: Path) -> None:
     if backend == "megatron":
         pytest.importorskip("megatron.core")
     out = tmp_path / "figures.json"
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
     flags = ["--smoke", "--threads", "1", "--device", "cpu", "--json", str(out)]
-    flags += ["--backend", backend]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "train_step.py"), *flags],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = _run_bench("train_step.py", [*flags, "--backend", backend], timeout=300)
     lines = result.stdout.splitlines()
     for prefix in (
         "vime train-step bench:",
@@ -66,17 +72,24 @@ def test_engine_idle_bench_smoke(tmp_path: Path) -> None:
     """``bench/engine_idle.py --smoke`` (needs vLLM): it runs and writes its figures."""
     pytest.importorskip("vllm")
     out = tmp_path / "idle.json"
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "engine_idle.py"), "--smoke", "--json", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _run_bench("engine_idle.py", ["--smoke", "--json", str(out)], timeout=600)
     figures = json.loads(out.read_text())
     assert figures["tokens_per_s"] > 0 and figures["idle_window_s"] > 0
     assert figures["idle_cpu_s"] >= 0  # measured, not judged: it depends on the machine
     assert "of one core" in result.stdout
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_engine_update_bench_smoke(engine: str, tmp_path: Path) -> None:
+    """``bench/engine_update.py --smoke``: both ways of loading a set run, and the streamed
+    one over a real gloo broadcast leaves the engine serving the last version (its own
+    check, exit status 0)."""
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    out = tmp_path / "update.json"
+    flags = ["--smoke", "--engine", engine, "--threads", "1", "--json", str(out)]
+    result = _run_bench("engine_update.py", flags, timeout=600)
+    figures = json.loads(out.read_text())
+    assert figures["engine"] == engine and figures["buckets"] == 4 + 3  # embed, layers, rest
+    assert figures["one_call_s"] > 0 and figures["broadcast_s"] > 0
+    assert "ratio broadcast/one call:" in result.stdout

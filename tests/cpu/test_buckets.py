@@ -6,10 +6,7 @@ tensor alone; that it is lazy — a bucket's tensors are materialized only when
 that bucket is requested, after the previous one was handed out, and the
 generator keeps no reference to a consumed bucket; that declared sizes are
 enforced; and the edge cases (empty input, budget below every tensor,
-zero-size tensors). Also ``bucket_metadata`` and the state-dict adapter; and that
-``WholeLayers`` re-cuts any stream of buckets so that each decoder layer is loaded
-in one piece, every weight once and in order, cloning only what it holds back when
-asked to (a CUDA-IPC bucket's memory goes back to its sender).
+zero-size tensors). Also ``bucket_metadata`` and the state-dict adapter.
 """
 
 from __future__ import annotations
@@ -23,12 +20,10 @@ import torch
 
 from vime.weights.buckets import (
     WeightEntry,
-    WholeLayers,
     bucket_metadata,
     bucket_nbytes,
     entries_from_state_dict,
     iter_buckets,
-    layer_of,
     tensor_nbytes,
 )
 
@@ -167,52 +162,3 @@ def test_entries_from_state_dict_casts_floats_only() -> None:
     assert bucket_metadata(bucket) == [("w", torch.bfloat16, (3, 4)), ("steps", torch.int64, (5,))]
     assert torch.equal(bucket[0][1], state["w"].to(torch.bfloat16))
     assert tensor_nbytes((3, 4), torch.float16) == 24
-
-
-_NAMES = [
-    "model.embed_tokens.weight",
-    *(
-        f"model.layers.{i}.{part}"
-        for i in range(3)
-        for part in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.up_proj.weight")
-    ),
-    "model.norm.weight",
-    "lm_head.weight",
-]
-
-
-@pytest.mark.parametrize("size", [1, 2, 4, 5, 100])
-def test_whole_layers_never_split_a_layer(size: int) -> None:
-    items = [(name, torch.full((2,), float(i))) for i, name in enumerate(_NAMES)]
-    buckets = [items[i : i + size] for i in range(0, len(items), size)]
-    layers = WholeLayers()
-    calls = [layers.feed(b) for b in buckets] + [layers.flush()]
-    calls = [c for c in calls if c]
-    assert [n for c in calls for n, _ in c] == _NAMES  # every weight, once, in order
-    for name in _NAMES:
-        holders = [
-            k for k, c in enumerate(calls) if any(layer_of(n) == layer_of(name) for n, _ in c)
-        ]
-        assert len(holders) == 1, (name, holders)
-    assert layers.flush() == []
-
-
-def test_whole_layers_clone_what_they_hold_back() -> None:
-    bucket = [(n, torch.zeros(2)) for n in _NAMES[:3]]  # embeddings, then half of layer 0
-    layers = WholeLayers()
-    ready = layers.feed(bucket, copy=True)
-    assert [n for n, _ in ready] == _NAMES[:1] and ready[0][1] is bucket[0][1]
-    bucket[1][1].fill_(7.0)  # the sender reuses its memory once the call returns
-    rest = layers.flush()
-    assert [n for n, _ in rest] == _NAMES[1:3] and float(rest[0][1].sum()) == 0.0
-    kept = WholeLayers()
-    kept.feed(bucket)
-    assert kept.flush()[0][1] is bucket[1][1]  # no copy unless asked
-
-
-def test_layer_of() -> None:
-    assert layer_of("model.layers.12.mlp.gate_proj.weight") == "model.layers.12"
-    assert layer_of("model.layers.1.self_attn.q_proj.weight") != layer_of(
-        "model.layers.10.self_attn.q_proj.weight"
-    )
-    assert layer_of("model.norm.weight") == "model.norm.weight"

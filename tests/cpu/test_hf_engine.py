@@ -12,9 +12,8 @@ and a batch generated in two requests, the second naming its offset in
 several engines share a batch); greedy equals argmax decoding; stop tokens and
 ``max_new_tokens`` end completions with the right reason; ``update_weights``
 makes the engine serve exactly the new model and advances ``weight_version``,
-and rejects unknown names, wrong shapes and incomplete sets -- also a set sent
-over several ``partial`` calls (a streaming transport), which is checked as a
-whole by the final call; a sleeping engine refuses all work, on the CPU too.
+and rejects unknown names, wrong shapes and incomplete sets; a sleeping engine
+refuses all work, on the CPU too.
 """
 
 from __future__ import annotations
@@ -287,16 +286,6 @@ def test_update_weights_rejects_bad_sets(checkpoint: str) -> None:
     assert engine.weight_version == 0
     engine.update_weights([good], version=2)
     assert engine.weight_version == 2
-    # Streamed: the final call completes the set the partial calls began.
-    engine.update_weights([good[:3]], version=2, partial=True)
-    engine.update_weights([good[3:5]], version=2, partial=True)
-    assert engine.weight_version == 2
-    engine.update_weights([good[5:]], version=3)
-    assert engine.weight_version == 3
-    engine.update_weights([good[:3]], version=3, partial=True)
-    with pytest.raises(ValueError, match="not sent"):
-        engine.update_weights([good[5:]], version=4)  # good[3:5] never came
-    assert engine.weight_version == 3
 
 
 def test_rejects_unusable_requests(engine) -> None:

@@ -105,7 +105,7 @@ class ScriptedEngine:
     def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
         raise NotImplementedError
 
-    def update_weights(self, buckets, version: int, *, partial: bool = False) -> None:
+    def update_weights(self, buckets, version: int) -> None:
         raise NotImplementedError
 
     def sleep(self) -> None: ...

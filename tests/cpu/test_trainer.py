@@ -273,7 +273,8 @@ def reward(args, sample):
 
 
 def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_path) -> None:
-    """The gloo broadcast transport and the transformers engine, colocated: sleep frees
+    """The gloo broadcast transport (a bucket a tensor, streamed into one update per sync)
+    and the transformers engine, colocated: sleep frees
     nothing on the CPU, but a sleeping engine refuses to generate, score or load weights,
     so the run passes only if the engines sleep while training trains and are awake for
     the weight sync, the probe, eval and generation. A reward function raises for some
@@ -292,6 +293,9 @@ def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_
         "hf",
         "--weight-sync",
         "broadcast",
+        # A bucket a tensor: every layer reaches the engine over several calls.
+        "--update-weight-buffer-size",
+        "4096",
         "--colocate",
         "--custom-rm-path",
         "flaky:reward",

@@ -11,11 +11,11 @@ per prompt come back in prompt order; with top-k the log-probs are those of the
 renormalised truncated distribution, greedy ones are at T = 1; EOS from the checkpoint config and
 ``stop_token_ids`` end completions (token kept, finish "stop"); ``update_weights``
 makes the engine serve the new weights (stale prefix cache dropped) and
-advances ``weight_version``; loading one bucket per call, as the broadcast and
-CUDA-IPC receivers do, serves the new weights exactly when the stream is re-cut
-by ``WholeLayers`` -- and serves wrong fused layers when it is not (vLLM's reload
-rebuilds each layer a call touched from that call's tensors alone: the reason
-``WholeLayers`` exists);
+advances ``weight_version``; a set that arrives one tensor per bucket, as the
+broadcast and CUDA-IPC receivers may get it, serves the new weights exactly when
+``UpdateStream`` feeds it into one update -- and serves wrong fused layers when each
+bucket is its own update (vLLM's reload rebuilds each layer a call touched from
+that call's tensors alone);
 building the engine leaves the caller's RNG alone;
 a sleeping engine refuses to generate, score or load weights (on CPU, where
 nothing is freed, too), loads weights once its weights are awake and serves once
@@ -268,8 +268,10 @@ def test_update_weights_serves_new_model(setup: SimpleNamespace) -> None:
     assert _max_diff(restored.log_probs, before.log_probs) < 1e-5
 
 
-def test_bucket_by_bucket_loads_need_whole_layers(setup: SimpleNamespace) -> None:
-    from vime.weights.buckets import WholeLayers
+def test_a_set_streamed_bucket_by_bucket_loads_whole(setup: SimpleNamespace) -> None:
+    """One tensor per bucket splits every fused layer (qkv, gate_up) across buckets: loaded
+    by a call each, the layers come out wrong; streamed into one call, exactly right."""
+    from vime.weights.update_stream import UpdateStream
 
     engine, version = setup.engine, setup.engine.weight_version
     prompt = [3, 9, 4, 17, 2, 30, 11]
@@ -285,12 +287,11 @@ def test_bucket_by_bucket_loads_need_whole_layers(setup: SimpleNamespace) -> Non
         for item in items:  # one tensor per call: q, k and v of a layer in different calls
             engine.update_weights([[item]], version)
         assert served_diff() > 1e-2
-        layers = WholeLayers()
+        stream = UpdateStream(lambda buckets: engine.update_weights(buckets, version + 1))
         for item in items:
-            ready = layers.feed([item])
-            if ready:
-                engine.update_weights([ready], version)
-        engine.update_weights([layers.flush()], version)
+            stream.put([item])
+        stream.finish()
+        assert engine.weight_version == version + 1
         assert served_diff() < 1e-4
     finally:
         engine.update_weights([list(setup.model.state_dict().items())], version)

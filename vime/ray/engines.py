@@ -12,16 +12,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from vime import device as vime_device
 from vime.config.errors import ConfigError
 from vime.ray.placement import Layout, Placement, label_actor, wait_all
 from vime.rollout.types import Completion, SamplingParams
-from vime.weights.buckets import WholeLayers
+from vime.weights.update_stream import UpdateStream
 
 # Set in every engine actor's process before it starts. OpenMP (the libgomp that torch
 # and vLLM's CPU kernels run on) reads its wait policy once, when the library loads, so
@@ -136,7 +137,7 @@ class EngineActor:
             raise ValueError(f"unknown rollout engine {kind!r}; choose vllm or hf")
         self.engine.weight_version = 0
         self._group = None
-        self._whole_layers = WholeLayers()
+        self._stream: UpdateStream | None = None
 
     def ready(self) -> int:
         return os.getpid()
@@ -172,34 +173,46 @@ class EngineActor:
         self._group = BroadcastGroup(host, port, rank, world, backend=backend)
 
     def receive_bucket(self, metadata: list[Any]) -> None:
-        self._load_partial(self._group.receive(metadata), copy=False)
+        """One bucket of a broadcast sync (the tensors are this process's own)."""
+        self._stream_in(lambda: self._group.receive(metadata))
 
     def receive_cuda_ipc(self, handles: list[Any]) -> None:
+        """One bucket of a CUDA-IPC sync: copied out of the sender's memory, which it
+        reuses once this returns, before the update sees it."""
         import torch
 
         from vime.weights.transports import open_cuda_bucket
 
-        bucket = open_cuda_bucket(handles, torch.cuda.current_device())
-        self._load_partial(bucket, copy=True)
-        # Copied out before the sender may free the memory, and the views closed only
-        # after the copies queued on them have run.
-        torch.cuda.synchronize()
-        del bucket
+        def copied() -> list[Any]:
+            views = open_cuda_bucket(handles, torch.cuda.current_device())
+            bucket = [(name, t.clone()) for name, t in views]
+            # The copies have run before the views close and the call returns.
+            torch.cuda.synchronize()
+            return bucket
 
-    def _load_partial(self, bucket: list[Any], *, copy: bool) -> None:
-        """Load the bucket's whole layers now; a layer that may go on in the next bucket
-        waits for it (``WholeLayers``). Partial loads keep the served version until
-        ``finish_update`` loads the rest and names the new one."""
-        ready = self._whole_layers.feed(bucket, copy=copy)
-        if ready:
-            self.engine.update_weights([ready], self.engine.weight_version, partial=True)
+        self._stream_in(copied)
+
+    def _stream_in(self, receive: Callable[[], list[Any]]) -> None:
+        """Receive a bucket and hand it to this sync's update (the first bucket starts it).
+        A failure ends the update where it is: the served version stays."""
+        if self._stream is None:
+            version = self.engine.weight_version  # named by finish_update
+            self._stream = UpdateStream(lambda b: self.engine.update_weights(b, version))
+        try:
+            self._stream.put(receive())
+        except BaseException:
+            self._stream.abort()
+            self._stream = None
+            raise
 
     def finish_update(self, version: int) -> int:
-        # WholeLayers holds back the last layer until the stream ends, so this final
-        # call (the one that checks the set is complete) always has weights to load.
-        rest = self._whole_layers.flush()
-        if rest:
-            self.engine.update_weights([rest], version)
+        """End the sync: the update checks the set is complete, then serves ``version``."""
+        stream, self._stream = self._stream, None
+        if stream is None:  # no bucket came: the engine says what is missing
+            self.engine.update_weights([], version)
+        else:
+            stream.finish()
+            vime_device.synchronize()  # the update ran on another thread's stream
         self.engine.weight_version = version
         return version
 

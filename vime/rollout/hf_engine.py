@@ -116,8 +116,6 @@ class HFEngine:
         self.pad_token_id = int(next(p for p in pads if p is not None))
         self.weight_version = 0
         self._asleep = False
-        # Parameters (by id) covered by partial updates since the last complete one.
-        self._partly_sent: set[int] = set()
 
     # ---------------------------------------------------------------- generation
 
@@ -298,17 +296,14 @@ class HFEngine:
     # ---------------------------------------------------------------- weights and memory
 
     @torch.no_grad()
-    def update_weights(
-        self, buckets: Iterable[list[tuple[str, Any]]], version: int, *, partial: bool = False
-    ) -> None:
+    def update_weights(self, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
         """Copy HF-named tensors into the model by name, then serve ``version``.
 
         Tied embeddings: ``lm_head.weight`` and ``model.embed_tokens.weight``
         are one tensor here, so either name (or both) updates it. Every
-        parameter must be covered -- by this call and the ``partial`` calls
-        before it; an unknown name or a shape mismatch raises. A ``partial``
-        call only copies. On an error the model may hold a partial update and
-        ``weight_version`` is not advanced: send the full set again.
+        parameter must be covered; an unknown name or a shape mismatch raises.
+        On an error the model may hold a partial update and ``weight_version``
+        is not advanced: send the full set again.
         """
         self._check_awake()
         state_names = set(self.model.state_dict().keys())
@@ -321,9 +316,6 @@ class HFEngine:
             if name in state_names
         }
         pending = {id(p): name for name, p in self.model.named_parameters()}
-        for covered in self._partly_sent:
-            pending.pop(covered, None)
-        self._partly_sent = set()  # an error below starts the set over
         for bucket in buckets:
             for name, value in bucket:
                 target = named.get(name)
@@ -340,10 +332,6 @@ class HFEngine:
                     )
                 target.copy_(value)
                 pending.pop(id(target), None)
-        if partial:
-            all_ids = {id(p) for _, p in self.model.named_parameters()}
-            self._partly_sent = all_ids - set(pending)
-            return
         if pending:
             missing = sorted(pending.values())
             raise ValueError(

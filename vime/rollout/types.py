@@ -79,15 +79,10 @@ class RolloutEngine(Protocol):
         """Log-probs of ``token_ids[prompt_len:]`` given what precedes each token."""
         ...
 
-    def update_weights(
-        self, buckets: Iterable[list[tuple[str, Any]]], version: int, *, partial: bool = False
-    ) -> None:
-        """Load HF-named tensors (a full set, bucket by bucket) and serve ``version``.
-
-        ``partial=True``: part of a set that arrives over several calls (each decoder
-        layer whole, see ``vime.weights.buckets.WholeLayers``); the version stays, and
-        the call without it completes the set and checks that it is full.
-        """
+    def update_weights(self, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
+        """Load HF-named tensors (a full set, bucket by bucket, taken lazily: a set that
+        arrives over several calls streams in through ``vime.weights.update_stream``)
+        and serve ``version``."""
         ...
 
     def sleep(self) -> None:

@@ -27,6 +27,7 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,33 @@ def _children_join_this_ray() -> None:
         os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
 
 
+class _OnlyErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+def _quiet_expected_warnings(on_cuda: bool) -> None:
+    """Silence vLLM's start-up warnings about what vime does on purpose, so a run's
+    console keeps what needs reading: no tokenizer (prompts are token ids; the
+    chat-template warm-up fails with a traceback), a seeded in-process engine (vime
+    restores the caller's RNG, ``_PreservedGlobalRng``), and on the CPU eager mode,
+    no Triton and vLLM refusing its own ``set_num_threads`` calls.
+
+    Filters, not levels: building the engine re-applies vLLM's logging config, which
+    resets the levels of existing vllm loggers but keeps their filters.
+    """
+    names = ["vllm.renderers.base", "vllm.engine.arg_utils"]
+    if not on_cuda:
+        names += ["vllm.config.vllm", "vllm.platforms.cpu", "vllm.v1.worker.cpu_worker"]
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OnlyErrors) for f in logger.filters):
+            logger.addFilter(_OnlyErrors())
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning
+    )
+
+
 def _eos_token_ids(checkpoint: str) -> list[int]:
     """EOS ids from ``generation_config.json``, else ``config.json``.
 
@@ -244,6 +272,7 @@ class VLLMEngine:
 
         import vllm
 
+        _quiet_expected_warnings(on_cuda)
         with _PreservedGlobalRng():
             self._llm = vllm.LLM(
                 model=self.checkpoint,
@@ -257,6 +286,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls=_WORKER_EXTENSION,
                 enforce_eager=not on_cuda if enforce_eager is None else enforce_eager,
+                use_tqdm_on_load=False,
             )
         # A uniprocess in-process engine runs the worker in this process: Python
         # objects (the lazy weights iterator) reach it without serialisation.
@@ -264,9 +294,8 @@ class VLLMEngine:
         executor = self._llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
         self._in_process = core == "InprocClient" and executor == "uni"
         # Every reload warns that the rotary buffers and a tied lm_head got no weights
-        # (they have none of their own; vime_reload_weights re-ties the head), and every
-        # partial reload (a streamed bucket) names all the weights it did not carry: both
-        # expected. Set after the engine exists: building it (re)configures vLLM's loggers.
+        # (they have none of their own; vime_reload_weights re-ties the head): expected.
+        # Set after the engine exists: building it (re)configures vLLM's loggers.
         for part in ("layerwise", "inplace"):
             logger = logging.getLogger(f"vllm.model_executor.model_loader.reload.{part}")
             logger.setLevel(logging.ERROR)
@@ -363,17 +392,14 @@ class VLLMEngine:
         steps = zip(output.prompt_logprobs[prompt_len:], token_ids[prompt_len:], strict=True)
         return [step[token].logprob for step, token in steps]
 
-    def update_weights(
-        self, buckets: Iterable[list[tuple[str, Any]]], version: int, *, partial: bool = False
-    ) -> None:
-        """Load a full set of HF-named tensors, bucket by bucket, and serve ``version``
-        (``partial``: part of a set, each layer whole; the version stays until the
-        final call).
+    def update_weights(self, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
+        """Load a full set of HF-named tensors, bucket by bucket, and serve ``version``.
 
         All buckets go through *one* ``reload_weights`` call: vLLM's in-place
         reload rebuilds every layer a call touched, and the parts of a fused layer
         (qkv, gate_up) the call did not carry come out of uninitialised memory, so a
-        layer split across two calls would be half garbage. In-process
+        layer split across two calls would be half garbage (a set that arrives over
+        several calls streams into one, ``vime.weights.update_stream``). In-process
         the worker consumes the buckets lazily, one at a time. Workers in other
         processes cannot take tensors by RPC (the engine core re-pickles them
         as memoryviews and fails), so there each bucket goes to a safetensors
@@ -399,8 +425,7 @@ class VLLMEngine:
         # is dropped when it wakes (wake_up resets it then).
         if "kv_cache" not in self._sleeping:
             self._llm.reset_prefix_cache()
-        if not partial:
-            self.weight_version = version
+        self.weight_version = version
 
     def sleep(self) -> None:
         """Free accelerator memory (weights offloaded, KV cache dropped); until ``wake_up``

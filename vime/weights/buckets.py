@@ -8,8 +8,7 @@ and convert to the HF layout). :func:`iter_buckets` groups them into lists of
 ``(hf_name, tensor)`` no larger than ``--update-weight-buffer-size`` bytes,
 which is what every transport and rollout engine's ``update_weights``
 consumes, and what :func:`vime.weights.hf_export.save_hf_folder` writes for
-``--save-hf``. :class:`WholeLayers` re-cuts them on the receiving side of a
-transport that loads bucket by bucket, so no decoder layer is loaded in halves.
+``--save-hf``.
 
 Sizes are declared up front so a bucket boundary is decided *before* a tensor
 is gathered: at most one bucket of full tensors is alive at a time, and the
@@ -23,7 +22,6 @@ every training rank.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
@@ -131,51 +129,3 @@ def bucket_metadata(bucket: Bucket) -> list[tuple[str, torch.dtype, tuple[int, .
     """``(name, dtype, shape)`` per tensor: what a transport sends ahead of the
     bytes so the receiver can allocate, and verify what arrived."""
     return [(name, t.dtype, tuple(t.shape)) for name, t in bucket]
-
-
-_LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+)\.")
-
-
-def layer_of(name: str) -> str:
-    """The decoder layer an HF weight belongs to (``model.layers.3``), or the name itself
-    for a weight outside the layers (embeddings, final norm, output layer)."""
-    match = _LAYER_PREFIX.match(name)
-    return match.group(1) if match else name
-
-
-class WholeLayers:
-    """Re-cuts a stream of buckets so that no decoder layer is split between two of them.
-
-    A receiver that loads each bucket as it arrives (the broadcast and CUDA-IPC
-    transports) needs this with vLLM: its in-place reload rebuilds every layer a call
-    touched from what the call carried, so a fused layer (qkv, gate_up) whose HF parts
-    arrive in two buckets would come out half uninitialised memory (a layer a call does
-    not touch at all keeps its tensors).
-    ``feed`` returns what can be loaded now -- everything but the bucket's last
-    layer, which may continue in the next bucket -- and ``flush`` the held-back rest
-    once the stream ends. A held-back tensor is cloned when ``copy``: a CUDA-IPC
-    bucket's memory belongs to the sender and is reused after the call returns.
-    """
-
-    def __init__(self) -> None:
-        self._held: Bucket = []
-
-    def feed(self, bucket: Bucket, *, copy: bool = False) -> Bucket:
-        items = self._held + list(bucket)
-        if not items:
-            return []
-        last = layer_of(items[-1][0])
-        cut = len(items)
-        while cut > 0 and layer_of(items[cut - 1][0]) == last:
-            cut -= 1
-        ready, held = items[:cut], items[cut:]
-        # What was held before is already a copy where one was needed.
-        held_before = {id(t) for _, t in self._held}
-        self._held = [
-            (name, t.clone() if copy and id(t) not in held_before else t) for name, t in held
-        ]
-        return ready
-
-    def flush(self) -> Bucket:
-        held, self._held = self._held, []
-        return held
