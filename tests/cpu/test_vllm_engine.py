@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -295,6 +296,57 @@ def test_a_set_streamed_bucket_by_bucket_loads_whole(setup: SimpleNamespace) -> 
         assert served_diff() < 1e-4
     finally:
         engine.update_weights([list(setup.model.state_dict().items())], version)
+
+
+# A tensor-parallel engine in its own interpreter: its workers are spawned processes.
+TP_ENGINE = r"""
+import json, sys
+from safetensors.torch import load_file
+from vime.rollout.vllm_engine import VLLMEngine
+from vime.weights.update_stream import UpdateStream
+
+def main(old: str, new: str) -> None:
+    engine = VLLMEngine(old, tensor_parallel_size=2, dtype="float32", max_model_len=64)
+    stream = UpdateStream(lambda buckets: engine.update_weights(buckets, 3))
+    for item in load_file(f"{new}/model.safetensors").items():
+        stream.put([item])  # a tensor a bucket: every layer over several files
+    stream.finish()
+    ids = json.loads(sys.stdin.read())
+    print(json.dumps({"in_process": engine._in_process, "version": engine.weight_version,
+                      "scored": engine.score(ids, 3, 1.0)}))
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="a CPU core for each of 2 workers")
+def test_a_tensor_parallel_engine_takes_weights_through_files(tmp_path: Path) -> None:
+    """TP=2 on the CPU: vLLM's workers run in processes of their own, so new weights reach
+    them as safetensors files in a RAM-backed folder (the path every tensor-parallel
+    engine takes on GPUs). A set streamed a tensor per bucket serves the new model."""
+    config = tiny_qwen3_config(VOCAB)
+    config.num_key_value_heads = 2  # KV heads split over the 2 ranks
+    old = save_tiny(str(tmp_path / "old"), config, seed=0)
+    new = save_tiny(str(tmp_path / "new"), config, seed=1)
+    ids = [3, 17, 9, 40, 2, 51, 8]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vLLM binds a core a worker
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, "-c", TP_ENGINE, old, new],
+        input=json.dumps(ids),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got["in_process"] is False and got["version"] == 3
+    reference = AutoModelForCausalLM.from_pretrained(new).eval()
+    assert _max_diff(got["scored"], _reference(reference, ids, 3, 1.0)) < 1e-4
+    stale = AutoModelForCausalLM.from_pretrained(old).eval()
+    assert _max_diff(got["scored"], _reference(stale, ids, 3, 1.0)) > 1e-2
 
 
 def test_a_sleeping_engine_refuses_work_until_woken(setup: SimpleNamespace) -> None:

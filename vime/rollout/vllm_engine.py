@@ -63,6 +63,13 @@ class VimeWorkerExtension:
         embedding (and, on CPU, its old packed GEMM copy) while ``embed_tokens``
         has the new one.
         """
+        # Every reload warns that the rotary buffers and a tied lm_head got no weights
+        # (they have none of their own; the head is re-tied below): expected. Here, in the
+        # process the reload runs in (a tensor-parallel engine's workers are others).
+        _only_errors(
+            "vllm.model_executor.model_loader.reload.layerwise",
+            "vllm.model_executor.model_loader.reload.inplace",
+        )
         self.reload_weights(weights_iterator=weights_iterator)  # type: ignore[attr-defined]
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         config = getattr(model, "config", None)
@@ -144,6 +151,14 @@ class _OnlyErrors(logging.Filter):
         return record.levelno >= logging.ERROR
 
 
+def _only_errors(*loggers: str) -> None:
+    """Let only errors through these loggers, in this process (idempotent)."""
+    for name in loggers:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OnlyErrors) for f in logger.filters):
+            logger.addFilter(_OnlyErrors())
+
+
 def _quiet_expected_warnings(on_cuda: bool) -> None:
     """Silence vLLM's start-up warnings about what vime does on purpose, so a run's
     console keeps what needs reading: no tokenizer (prompts are token ids; the
@@ -157,10 +172,7 @@ def _quiet_expected_warnings(on_cuda: bool) -> None:
     names = ["vllm.renderers.base", "vllm.engine.arg_utils"]
     if not on_cuda:
         names += ["vllm.config.vllm", "vllm.platforms.cpu", "vllm.v1.worker.cpu_worker"]
-    for name in names:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _OnlyErrors) for f in logger.filters):
-            logger.addFilter(_OnlyErrors())
+    _only_errors(*names)
     warnings.filterwarnings(
         "ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning
     )
@@ -293,12 +305,6 @@ class VLLMEngine:
         core = type(self._llm.llm_engine.engine_core).__name__
         executor = self._llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
         self._in_process = core == "InprocClient" and executor == "uni"
-        # Every reload warns that the rotary buffers and a tied lm_head got no weights
-        # (they have none of their own; vime_reload_weights re-ties the head): expected.
-        # Set after the engine exists: building it (re)configures vLLM's loggers.
-        for part in ("layerwise", "inplace"):
-            logger = logging.getLogger(f"vllm.model_executor.model_loader.reload.{part}")
-            logger.setLevel(logging.ERROR)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions for each prompt, in prompt order.
