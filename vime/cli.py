@@ -32,6 +32,19 @@ def _describe(config: Config) -> str:
     )
 
 
+def _what_is_kept(config: Config) -> str:
+    """Where a stopped run's outputs are, and how it resumes."""
+    from vime.checkpoint import TRACKER
+
+    kept = f"metrics and plot of the rollouts done in {config.output_dir}"
+    try:  # read only: --load checks (and repairs) the checkpoint when it is used
+        with open(os.path.join(config.save or "", TRACKER)) as tracker:
+            last = int(tracker.read().strip())
+    except (OSError, ValueError):
+        return f"{kept}; no checkpoint was saved, so a new run starts over"
+    return f"{kept}; resume after rollout {last} with --load {config.save}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vime-train`` console script; returns the exit status."""
     # Hooks given as module:function resolve against the working directory, as under python -m.
@@ -46,8 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.dry_run:
         return 0
     from vime.ray.placement import ActorFailure
+    from vime.tracking import default_output_dir
     from vime.trainer import run
 
+    config = config.replace(output_dir=config.output_dir or default_output_dir())
     try:
         summary = run(config)
     except ConfigError as err:
@@ -59,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vime-train: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("vime-train: interrupted; the last saved checkpoint is intact", file=sys.stderr)
+        print(f"vime-train: interrupted; {_what_is_kept(config)}", file=sys.stderr)
         return 130
     print(f"vime-train: done; outputs in {summary['output_dir']}")
     return 0

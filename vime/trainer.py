@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,8 @@ def run(args: Config) -> dict[str, Any]:
     A run that fails while it is being set up (bad data, an unreachable cluster)
     removes the output folder it created, so a failed start leaves nothing behind.
     A rank or engine that fails later leaves its whole report in ``error.log`` there.
+    A run that stops early (interrupted, failed) still draws ``progress.png`` from the
+    rollouts logged and writes ``summary.json`` with its ``status``.
     """
     quiet_library_progress_bars()
     args = args.replace(output_dir=args.output_dir or default_output_dir())
@@ -57,12 +60,18 @@ def run(args: Config) -> dict[str, Any]:
         if created:
             shutil.rmtree(args.output_dir, ignore_errors=True)
         raise
+    status = "failed"
     try:
-        return session.train()
+        summary = session.train()
+        status = "done"
+        return summary
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
     except ActorFailure as failure:
         raise failure.logged_to(os.path.join(args.output_dir, "error.log")) from failure
     finally:
-        session.close()
+        session.close(status)
 
 
 class Run:
@@ -194,6 +203,7 @@ class Run:
             self.turns.train()
             self.train_group.export_hf(args.save_hf)
             summary["save_hf"] = args.save_hf
+        summary["status"] = "done"
         summary["plot"] = self.tracker.finish(summary)
         return summary
 
@@ -316,7 +326,15 @@ class Run:
         else:
             print(text, flush=True)
 
-    def close(self) -> None:
+    def close(self, status: str = "done") -> None:
+        """Release what the run holds; a tracker still open (the run stopped early) writes
+        its summary with ``status`` and its plot first."""
+        tracker = getattr(self, "tracker", None)
+        if tracker is not None:
+            try:
+                tracker.finish({"status": status})  # a no-op after train() finished it
+            except Exception as err:  # the run's own error is the one to report
+                print(f"vime: could not finish the run's outputs: {err}", file=sys.stderr)
         scorer = getattr(self, "scorer", None)
         if scorer is not None:
             scorer.close()

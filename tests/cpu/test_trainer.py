@@ -18,7 +18,10 @@ the CPU too), so the colocated run proves the sleep/wake order: engines asleep
 only while training trains. Prompts over ``--rollout-max-prompt-len`` are
 counted in every metrics line and in summary.json. The colocated turns' order
 (training keeps only its weights through the weight sync) and the auto weight
-transport per placement are checked as pure functions.
+transport per placement are checked as pure functions. Ctrl-C ends a run with
+status 130, a line saying where its outputs are and where it resumes, and its
+metrics, plot, summary ("interrupted") and checkpoint kept; a failed run's summary
+says "failed".
 """
 
 from __future__ import annotations
@@ -368,6 +371,7 @@ def test_a_failing_rank_stops_the_run_with_its_error(tmp_path: Path) -> None:
     assert 'failing.py", line' in report and "RuntimeError: rank one gives up" in report
     assert "\x1b[" not in report  # plain text, not Ray's terminal colours
     assert not (out / "metrics.jsonl").exists() or not _metrics(out)
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed"
 
 
 @pytest.mark.parametrize(
@@ -440,3 +444,47 @@ def test_colocated_turns_share_a_device_with_weights_only() -> None:
     for turn in ("rollout", "train", "weight_sync", "rollout"):
         getattr(alone, turn)()
     assert calls == [("engines", "start", None)]
+
+
+def test_ctrl_c_stops_the_run_and_keeps_what_it_made(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) in the middle of a run: exit status 130 within a bounded time, one
+    line saying where the outputs are and how to resume, and the rollouts done kept:
+    every metrics line, the plot drawn from them, summary.json with status
+    "interrupted", and the last checkpoint, which a run with --load resumes from."""
+    import signal
+    import time
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    script = Path(sys.executable).with_name("vime-train")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    args = ["--rollout-engine", "hf", "--num-rollout", "1000", "--output-dir", str(out)]
+    args += ["--save", str(ckpt), "--save-interval", "2"]
+    proc = subprocess.Popen(
+        [*command, *SMALL, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        # A shell's background job would ignore SIGINT; a user's foreground run does not.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not (ckpt / TRACKER).exists():  # a checkpoint first, then some more steps
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.5)
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
+    last = int((ckpt / TRACKER).read_text())
+    assert f"resume after rollout {last} with --load {ckpt}" in stderr, stderr[-2000:]
+    assert f"vime-train: interrupted; metrics and plot of the rollouts done in {out}" in stderr
+    rows = _metrics(out)
+    assert rows and [r["rollout_id"] for r in rows] == list(range(len(rows)))
+    assert last <= rows[-1]["rollout_id"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["rollouts_logged"] == len(rows)
+    assert (out / "progress.png").stat().st_size > 0
