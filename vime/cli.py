@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"vime-train: configuration is valid: {_describe(config)}", flush=True)
     if config.dry_run:
         return 0
-    from vime.ray.placement import ActorFailure
+    from vime.ray.placement import ActorFailure, Terminated
     from vime.tracking import default_output_dir
     from vime.trainer import run
 
@@ -73,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(err.detail, file=sys.stderr)
         print(f"vime-train: error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        if isinstance(stop, Terminated):
+            print(f"vime-train: terminated (SIGTERM); {_what_is_kept(config)}", file=sys.stderr)
+            return 143
         print(f"vime-train: interrupted; {_what_is_kept(config)}", file=sys.stderr)
         return 130
     print(f"vime-train: done; outputs in {summary['output_dir']}")

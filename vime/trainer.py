@@ -31,7 +31,15 @@ from vime.data.prompts import (
     render_prompt,
 )
 from vime.ray.engines import EngineGroup
-from vime.ray.placement import ActorFailure, cluster_gpus, layout_of, reserve, start_ray
+from vime.ray.placement import (
+    ActorFailure,
+    Terminated,
+    cluster_gpus,
+    layout_of,
+    reserve,
+    start_ray,
+    stop_ray,
+)
 from vime.ray.train_group import RayTrainGroup
 from vime.rollout.manager import DataExhausted, RolloutManager
 from vime.rollout.rewards import build_reward_scorer, reward_needs_label
@@ -65,8 +73,8 @@ def run(args: Config) -> dict[str, Any]:
         summary = session.train()
         status = "done"
         return summary
-    except KeyboardInterrupt:
-        status = "interrupted"
+    except KeyboardInterrupt as stop:
+        status = "terminated" if isinstance(stop, Terminated) else "interrupted"
         raise
     except ActorFailure as failure:
         raise failure.logged_to(os.path.join(args.output_dir, "error.log")) from failure
@@ -339,7 +347,7 @@ class Run:
         if scorer is not None:
             scorer.close()
         if ray.is_initialized():
-            ray.shutdown()
+            stop_ray()
 
 
 class DeviceTurns:

@@ -9,13 +9,15 @@ address where a server accepts connections but is not a Ray GCS (one that says
 nothing, one that answers like a web server) is refused by ``start_ray`` with
 a one-line ``ConfigError`` naming the address and the head's port, where
 ``ray.init`` would retry for minutes. Ranks and engines take the placement group's
-bundles node by node, however Ray numbered them.
+bundles node by node, however Ray numbered them. Once Ray is up SIGTERM stops the
+run as Ctrl-C does, until ``stop_ray`` gives the signal its handler back.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import socketserver
 import threading
 import time
@@ -28,10 +30,12 @@ from vime.config import ConfigError
 from vime.ray.placement import (
     ActorFailure,
     Layout,
+    Terminated,
     label_actor,
     layout_of,
     node_major_order,
     start_ray,
+    stop_ray,
     wait_all,
 )
 
@@ -175,3 +179,29 @@ def test_bundles_are_taken_node_by_node(nodes, num_train, expected) -> None:
     assert order == expected
     assert sorted(order) == list(range(len(nodes)))
     assert all(b < num_train for b in order[:num_train])
+
+
+def test_sigterm_stops_a_run_like_ctrl_c_until_ray_is_stopped() -> None:
+    """After ``start_ray`` SIGTERM raises ``Terminated`` (a ``KeyboardInterrupt``: the
+    run closes its outputs and shuts Ray down, where Ray's own handler would abort with
+    a native stack dump); ``stop_ray`` gives SIGTERM back the handler it had before."""
+    ray = pytest.importorskip("ray")
+    assert not ray.is_initialized()
+
+    def before(signum, frame) -> None:  # the embedding program's own handler
+        raise AssertionError("not reached while the run is up")
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        start_ray(None, 1)
+        try:
+            with pytest.raises(Terminated):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler runs between two bytecodes of this thread
+            assert isinstance(Terminated(), KeyboardInterrupt)
+        finally:
+            stop_ray()
+        assert not ray.is_initialized()
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, previous)

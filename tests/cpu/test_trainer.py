@@ -19,9 +19,9 @@ only while training trains. Prompts over ``--rollout-max-prompt-len`` are
 counted in every metrics line and in summary.json. The colocated turns' order
 (training keeps only its weights through the weight sync) and the auto weight
 transport per placement are checked as pure functions. Ctrl-C ends a run with
-status 130, a line saying where its outputs are and where it resumes, and its
-metrics, plot, summary ("interrupted") and checkpoint kept; a failed run's summary
-says "failed".
+status 130 (SIGTERM: 143), a line saying where its outputs are and where it
+resumes, and its metrics, plot, summary ("interrupted", "terminated") and checkpoint
+kept; a failed run's summary says "failed".
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ import json
 import math
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -446,13 +448,20 @@ def test_colocated_turns_share_a_device_with_weights_only() -> None:
     assert calls == [("engines", "start", None)]
 
 
-def test_ctrl_c_stops_the_run_and_keeps_what_it_made(tmp_path: Path) -> None:
-    """Ctrl-C (SIGINT) in the middle of a run: exit status 130 within a bounded time, one
-    line saying where the outputs are and how to resume, and the rollouts done kept:
-    every metrics line, the plot drawn from them, summary.json with status
-    "interrupted", and the last checkpoint, which a run with --load resumes from."""
-    import signal
-    import time
+@pytest.mark.parametrize(
+    ("signum", "status", "said", "code"),
+    [
+        (signal.SIGINT, "interrupted", "interrupted", 130),
+        (signal.SIGTERM, "terminated", "terminated (SIGTERM)", 143),
+    ],
+)
+def test_a_stopped_run_keeps_what_it_made(
+    signum: int, status: str, said: str, code: int, tmp_path: Path
+) -> None:
+    """Ctrl-C (SIGINT) or a scheduler's SIGTERM in the middle of a run: the exit status
+    within a bounded time, one line saying where the outputs are and how to resume, and
+    the rollouts done kept: every metrics line, the plot drawn from them, summary.json
+    with the status, and the last checkpoint, which a run with --load resumes from."""
 
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     script = Path(sys.executable).with_name("vime-train")
@@ -474,17 +483,18 @@ def test_ctrl_c_stops_the_run_and_keeps_what_it_made(tmp_path: Path) -> None:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.5)
         time.sleep(2)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
+    assert proc.returncode == code, stdout[-2000:] + stderr[-3000:]
     last = int((ckpt / TRACKER).read_text())
     assert f"resume after rollout {last} with --load {ckpt}" in stderr, stderr[-2000:]
-    assert f"vime-train: interrupted; metrics and plot of the rollouts done in {out}" in stderr
+    assert f"vime-train: {said}; metrics and plot of the rollouts done in {out}" in stderr
+    assert "Traceback" not in stderr and "SIGTERM received" not in stderr, stderr[-3000:]
     rows = _metrics(out)
     assert rows and [r["rollout_id"] for r in rows] == list(range(len(rows)))
     assert last <= rows[-1]["rollout_id"]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["rollouts_logged"] == len(rows)
+    assert summary["status"] == status and summary["rollouts_logged"] == len(rows)
     assert (out / "progress.png").stat().st_size > 0

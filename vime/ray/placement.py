@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +82,7 @@ def start_ray(address: str | None, min_cpus: int) -> None:
     """
     if ray.is_initialized():
         return
+    before = signal.getsignal(signal.SIGTERM)
     address = address or os.environ.get("RAY_ADDRESS")
     # Workers inherit the driver's environment; Ray's own noise is not the user's business.
     env_vars = {"TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
@@ -103,6 +106,35 @@ def start_ray(address: str | None, min_cpus: int) -> None:
     else:
         cpus = max(os.cpu_count() or 1, min_cpus)
         ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+    _stop_on_sigterm(before)
+
+
+def stop_ray() -> None:
+    """Shut down what ``start_ray`` started or joined, and give SIGTERM back the handler
+    it had before."""
+    ray.shutdown()
+    if _SIGTERM_BEFORE and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _SIGTERM_BEFORE.pop())
+
+
+class Terminated(KeyboardInterrupt):
+    """The driver got SIGTERM (a scheduler's stop, ``kill``): the run stops as on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(f"signal {signum}")
+
+
+# The SIGTERM handler start_ray replaced (a process-wide setting, so kept here).
+_SIGTERM_BEFORE: list[Any] = []
+
+
+def _stop_on_sigterm(before: Any) -> None:
+    """Make SIGTERM stop the run like Ctrl-C: outputs closed, Ray shut down, a one-line
+    exit. Set after ``ray.init``, whose own handler dumps a native stack and aborts."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+        _SIGTERM_BEFORE[:] = [signal.SIG_DFL if before is None else before]
 
 
 def cluster_gpus() -> int:
