@@ -201,6 +201,11 @@ class Run:
                     self.save(last_trained)
                 break
             self.tracker.log(rollout_id, {**metrics, **self.dropped})
+            # After the log: a checkpoint never holds a rollout whose metrics line a stop
+            # right after it could lose (a resume keeps the lines before its start).
+            if save_due(rollout_id, args.num_rollout, args.save, args.save_interval):
+                self.turns.train()  # optimizer state awake; colocated engines asleep
+                self.save(rollout_id)
         summary: dict[str, Any] = {"output_dir": self.output_dir}
         summary.update({key.split("/")[-1]: int(n) for key, n in self.dropped.items()})
         if self.eval_prompts is not None:
@@ -225,8 +230,6 @@ class Run:
         planned = plan_updates(args, batch, rollout_id)
         metrics.update(self.train_group.train(ray.put(planned)))
         train_time = time.perf_counter() - train_start
-        if save_due(rollout_id, args.num_rollout, args.save, args.save_interval):
-            self.save(rollout_id)  # while the optimizer state is awake
         sync_start = time.perf_counter()
         self.turns.weight_sync()
         metrics.update(self.sync_weights(rollout_id + 1))

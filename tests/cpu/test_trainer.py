@@ -461,7 +461,9 @@ def test_a_stopped_run_keeps_what_it_made(
     """Ctrl-C (SIGINT) or a scheduler's SIGTERM in the middle of a run: the exit status
     within a bounded time, one line saying where the outputs are and how to resume, and
     the rollouts done kept: every metrics line, the plot drawn from them, summary.json
-    with the status, and the last checkpoint, which a run with --load resumes from."""
+    with the status, and the last checkpoint, which a run with --load resumes from and
+    which is never ahead of the metrics (a stop between a save and its rollout's line
+    would lose that line for good: the resume starts after it)."""
 
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     script = Path(sys.executable).with_name("vime-train")
