@@ -10,11 +10,13 @@ nothing, one that answers like a web server) is refused by ``start_ray`` with
 a one-line ``ConfigError`` naming the address and the head's port, where
 ``ray.init`` would retry for minutes. Ranks and engines take the placement group's
 bundles node by node, however Ray numbered them. Once Ray is up SIGTERM stops the
-run as Ctrl-C does, until ``stop_ray`` gives the signal its handler back.
+run as Ctrl-C does, until ``stop_ray`` gives the signal its handler back; Ray's
+notice of its default authentication is quieted, its warning of none is not.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -205,3 +207,22 @@ def test_sigterm_stops_a_run_like_ctrl_c_until_ray_is_stopped() -> None:
         assert signal.getsignal(signal.SIGTERM) is before
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_only_rays_notice_of_its_default_auth_is_quieted(caplog) -> None:
+    """Ray's warning that it turned token authentication on by default is dropped (every
+    local start printed it); its warning that authentication is off still shows."""
+    from ray._private.authentication import authentication_token_setup as auth
+
+    from vime.ray.placement import _quiet_default_auth_notice
+
+    _quiet_default_auth_notice()
+    auth.logger.addHandler(caplog.handler)  # Ray's loggers do not propagate to the root
+    try:
+        with caplog.at_level(logging.WARNING, logger=auth.logger.name):
+            auth._warn_token_auth_enabled()
+            auth._warn_token_auth_disabled()
+    finally:
+        auth.logger.removeHandler(caplog.handler)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and messages[0].startswith("Token authentication is disabled")

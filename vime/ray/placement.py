@@ -17,6 +17,7 @@ unauthenticated GCS call answer that in seconds.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -105,6 +106,7 @@ def start_ray(address: str | None, min_cpus: int) -> None:
             ) from None
     else:
         cpus = max(os.cpu_count() or 1, min_cpus)
+        _quiet_default_auth_notice()
         ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
     _stop_on_sigterm(before)
 
@@ -115,6 +117,20 @@ def stop_ray() -> None:
     ray.shutdown()
     if _SIGTERM_BEFORE and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _SIGTERM_BEFORE.pop())
+
+
+class _DefaultAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Token authentication is enabled")
+
+
+def _quiet_default_auth_notice() -> None:
+    """Ray 2.60 warns at every local start that it turned token authentication on, its
+    default (set ``RAY_AUTH_MODE`` to choose): not news at every run. Its warning that
+    authentication is *off* still shows."""
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DefaultAuthNotice) for f in logger.filters):
+        logger.addFilter(_DefaultAuthNotice())
 
 
 class Terminated(KeyboardInterrupt):
