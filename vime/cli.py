@@ -32,11 +32,13 @@ def _describe(config: Config) -> str:
     )
 
 
-def _what_is_kept(config: Config) -> str:
-    """Where a stopped run's outputs are, and how it resumes."""
+def _stopped(how: str, config: Config) -> str:
+    """The line for a run stopped ``how``: where its outputs are, and how it resumes."""
     from vime.checkpoint import TRACKER
 
-    kept = f"metrics and plot of the rollouts done in {config.output_dir}"
+    if not os.path.isdir(config.output_dir or ""):  # a run stopped while starting removes it
+        return f"vime-train: {how} while starting; nothing was kept"
+    kept = f"vime-train: {how}; metrics and plot of the rollouts done in {config.output_dir}"
     try:  # read only: --load checks (and repairs) the checkpoint when it is used
         with open(os.path.join(config.save or "", TRACKER)) as tracker:
             last = int(tracker.read().strip())
@@ -47,6 +49,14 @@ def _what_is_kept(config: Config) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vime-train`` console script; returns the exit status."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the run began (parsing, imports)
+        print("vime-train: interrupted while starting; nothing was kept", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     # Hooks given as module:function resolve against the working directory, as under python -m.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -74,11 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vime-train: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as stop:
-        if isinstance(stop, Terminated):
-            print(f"vime-train: terminated (SIGTERM); {_what_is_kept(config)}", file=sys.stderr)
-            return 143
-        print(f"vime-train: interrupted; {_what_is_kept(config)}", file=sys.stderr)
-        return 130
+        terminated = isinstance(stop, Terminated)
+        how = "terminated (SIGTERM)" if terminated else "interrupted"
+        print(_stopped(how, config), file=sys.stderr)
+        return 143 if terminated else 130
     print(f"vime-train: done; outputs in {summary['output_dir']}")
     return 0
 
