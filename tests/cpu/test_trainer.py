@@ -449,6 +449,21 @@ def test_colocated_turns_share_a_device_with_weights_only() -> None:
     assert calls == [("engines", "start", None)]
 
 
+def _start(*args: str, cwd: Path) -> subprocess.Popen:
+    """``vime-train`` with the small flags, running in the background as from a terminal
+    (a shell's background job would ignore SIGINT; a user's foreground run does not)."""
+    script = Path(sys.executable).with_name("vime-train")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    return subprocess.Popen(
+        [*command, *SMALL, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
 @pytest.mark.parametrize(
     ("signum", "status", "said", "code"),
     [
@@ -467,19 +482,8 @@ def test_a_stopped_run_keeps_what_it_made(
     would lose that line for good: the resume starts after it)."""
 
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
     args = ["--rollout-engine", "hf", "--num-rollout", "1000", "--output-dir", str(out)]
-    args += ["--save", str(ckpt), "--save-interval", "2"]
-    proc = subprocess.Popen(
-        [*command, *SMALL, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-        # A shell's background job would ignore SIGINT; a user's foreground run does not.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    proc = _start(*args, "--save", str(ckpt), "--save-interval", "2", cwd=tmp_path)
     try:
         deadline = time.monotonic() + 600
         while not (ckpt / TRACKER).exists():  # a checkpoint first, then some more steps
@@ -507,16 +511,7 @@ def test_ctrl_c_while_starting_leaves_nothing(tmp_path: Path) -> None:
     """Ctrl-C while a run starts (imports, Ray, actors): exit status 130, one line, no
     traceback, and no output folder left behind."""
     out = tmp_path / "out"
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
-    proc = subprocess.Popen(
-        [*command, *SMALL, "--rollout-engine", "hf", "--output-dir", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    proc = _start("--rollout-engine", "hf", "--output-dir", str(out), cwd=tmp_path)
     try:
         time.sleep(2)  # Python's handler is set; Ray takes longer than this to come up
         proc.send_signal(signal.SIGINT)
