@@ -34,15 +34,16 @@ def _describe(config: Config) -> str:
 
 def _stopped(how: str, config: Config) -> str:
     """The line for a run stopped ``how``: where its outputs are, and how it resumes."""
-    from vime.checkpoint import TRACKER
+    from vime.checkpoint import CheckpointError, latest
 
     if not os.path.isdir(config.output_dir or ""):  # a run stopped while starting removes it
         return f"vime-train: {how} while starting; nothing was kept"
     kept = f"vime-train: {how}; metrics and plot of the rollouts done in {config.output_dir}"
-    try:  # read only: --load checks (and repairs) the checkpoint when it is used
-        with open(os.path.join(config.save or "", TRACKER)) as tracker:
-            last = int(tracker.read().strip())
-    except (OSError, ValueError):
+    try:
+        last = latest(config.save) if config.save else None
+    except (CheckpointError, OSError):
+        last = None
+    if last is None:
         return f"{kept}; no checkpoint was saved, so a new run starts over"
     return f"{kept}; resume after rollout {last} with --load {config.save}"
 

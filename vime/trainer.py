@@ -197,14 +197,12 @@ class Run:
                 # The last trained rollout is saved, as it would have been at the planned end.
                 last_trained = rollout_id - 1
                 if args.save and self.last_saved < last_trained:
-                    self.turns.train()
                     self.save(last_trained)
                 break
             self.tracker.log(rollout_id, {**metrics, **self.dropped})
             # After the log: a checkpoint never holds a rollout whose metrics line a stop
             # right after it could lose (a resume keeps the lines before its start).
             if save_due(rollout_id, args.num_rollout, args.save, args.save_interval):
-                self.turns.train()  # optimizer state awake; colocated engines asleep
                 self.save(rollout_id)
         summary: dict[str, Any] = {"output_dir": self.output_dir}
         summary.update({key.split("/")[-1]: int(n) for key, n in self.dropped.items()})
@@ -247,7 +245,9 @@ class Run:
         return metrics
 
     def save(self, rollout_id: int) -> None:
-        """Checkpoint the trainer after ``rollout_id``, with the data position beside it."""
+        """Checkpoint the trainer after ``rollout_id``, with the data position beside it
+        (in the train turn: optimizer state awake, colocated engines asleep)."""
+        self.turns.train()
         self.train_group.save(rollout_id, {"data": self.manager.state_dict()})
         self.last_saved = rollout_id
 

@@ -187,7 +187,7 @@ class EngineActor:
             views = open_cuda_bucket(handles, torch.cuda.current_device())
             bucket = [(name, t.clone()) for name, t in views]
             # The copies have run before the views close and the call returns.
-            torch.cuda.synchronize()
+            vime_device.synchronize()
             return bucket
 
         self._stream_in(copied)
