@@ -17,7 +17,9 @@ buckets under the budget, and the HF export reloads in transformers; at PP=2
 (uneven), save -> new processes -> load -> continue equals the uninterrupted run bitwise,
 and the checkpoint (megatron-core ``dist_checkpointing``) loads without pipelining,
 weights and moments bitwise; a TP=1 checkpoint loads at TP=2 with weights and AdamW
-moments bitwise equal in HF names; megatron-core's distributed optimizer (in bf16)
+moments bitwise equal in HF names; at DP=2 the save is spread over both replicas
+(each writes part of the bytes) and loads back at DP=2 with the saved weights and
+moments bitwise; megatron-core's distributed optimizer (in bf16)
 shards fp32 main weights and moments over DP, trains like the plain run (same decay
 groups; a few weights a bf16 rounding apart), resumes bitwise (step count included),
 re-splits its checkpoint over another DP size and refuses a run without it or at
@@ -463,6 +465,36 @@ def test_checkpoint_is_dist_checkpointing_and_reshards(hf_dir, tmp_path) -> None
             assert torch.equal(loaded["moments"][moment][name], value), (moment, name)
 
 
+def test_checkpoint_is_written_and_read_by_every_replica(hf_dir, tmp_path) -> None:
+    """At DP=2 every tensor is replicated; the fully parallel save has each replica write
+    a share (without it replica 0 writes everything and replica 1 nothing but metadata),
+    and the checkpoint loads back at DP=2 with the saved weights and AdamW moments
+    bitwise."""
+    ckpt = tmp_path / "ckpt"
+    args = actor_args(hf_dir, 2, "--save", str(ckpt), backend="megatron")
+    saved = run("megatron", "save_fresh", args, 2, tmp_path)
+    written = {0: 0, 1: 0}
+    for shard in (ckpt / "iter_0000001").glob("__*_*.distcp"):
+        written[int(shard.name.split("_")[2])] += shard.stat().st_size
+    assert min(written.values()) > 0.3 * sum(written.values()), written
+
+    loaded = run(
+        "megatron",
+        "load",
+        actor_args(hf_dir, 2, "--load", str(ckpt), backend="megatron"),
+        2,
+        tmp_path,
+    )
+    assert loaded["start"] == 2
+    for name, weight in saved["weights"].items():
+        assert torch.equal(loaded["weights"][name], weight), name
+    assert torch.equal(loaded["moments"]["step"], saved["moments"]["step"])
+    for moment in ("exp_avg", "exp_avg_sq"):
+        for name, value in saved["moments"][moment].items():
+            assert value.abs().sum() > 0, f"{name}: {moment} never written"
+            assert torch.equal(loaded["moments"][moment][name], value), (moment, name)
+
+
 def _save_job(rank: int, world: int, folder: str) -> dict:
     import multiprocessing
 
@@ -493,6 +525,19 @@ def test_save_leaves_no_process_behind(tmp_path) -> None:
     assert got["children"] == []
     assert got["queue_reset"]
     assert torch.equal(got["loaded"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_save_without_psutil_fails_at_once(tmp_path, monkeypatch) -> None:
+    """megatron-core's writer processes die at start without psutil and its save then
+    waits forever; vime's save refuses first, naming the package."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from vime.backends.megatron import checkpoint as mcheckpoint
+    from vime.checkpoint import CheckpointError
+
+    monkeypatch.setattr(filesystem_async, "HAVE_PSUTIL", False)
+    with pytest.raises(CheckpointError, match="pip install psutil"):
+        mcheckpoint.save({}, tmp_path)
 
 
 @pytest.mark.parametrize(

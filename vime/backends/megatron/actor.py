@@ -454,7 +454,7 @@ class MegatronActor(PolicyTrainActor):
         )
 
     def _write_state(self, folder: Path) -> None:
-        mcheckpoint.save(self._state(), folder)
+        mcheckpoint.save(self._state(), folder, self.dp_group)
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         return {

@@ -41,6 +41,10 @@ from typing import Any
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from vime.backends.megatron.distrib_optim import DistributedOptimizer
@@ -136,15 +140,39 @@ def sharded_state(
     return state
 
 
-def save(state: dict[str, Any], folder: Path) -> None:
+def save(state: dict[str, Any], folder: Path, dp_group: Any = None) -> None:
     """Write ``sharded_state``'s dict into ``folder`` (a collective over every rank).
 
     Synchronous, with megatron-core's default ``torch_dist`` strategy (its writer
     forks one process per file and collects their results), under
-    ``in_process_results_queue``.
+    ``in_process_results_queue``. Over a data-parallel group of more than one rank
+    the save is fully parallel: a tensor every replica holds is written by one of
+    them, chosen to even out the bytes each writes, instead of always by replica 0
+    (``FullyParallelSaveStrategyWrapper``; only metadata is exchanged).
     """
+    _check_writer_can_start()
+    strategy = get_default_save_sharded_strategy()
+    if _size(dp_group) > 1:
+        strategy = FullyParallelSaveStrategyWrapper(strategy, dp_group)
     with in_process_results_queue():
-        dist_checkpointing.save(state, str(folder))
+        dist_checkpointing.save(state, str(folder), sharded_strategy=strategy)
+
+
+def _check_writer_can_start() -> None:
+    """megatron-core's writer processes measure their memory with psutil, which
+    megatron-core does not require: without it each dies at start and the save waits for
+    them forever. Fail at once instead, saying what to install."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not getattr(filesystem_async, "HAVE_PSUTIL", True):
+        raise CheckpointError(
+            "megatron-core's checkpoint writer needs psutil: pip install psutil "
+            "(or install vime with its megatron extra)"
+        )
+
+
+def _size(group: Any) -> int:
+    return 1 if group is None else torch.distributed.get_world_size(group)
 
 
 @contextlib.contextmanager
@@ -195,6 +223,9 @@ def load(
 
     A collective over every rank. Strict both ways: a tensor the ranks expect but the
     checkpoint lacks, or one the checkpoint has but no rank reads, is an error.
+    Each replica reads what it needs itself: megatron-core's fully parallel load (each
+    reads a share, then they exchange) allocates its exchange buffers on CUDA by literal,
+    and a resume is once a run, a save every ``--save-interval``.
     """
     distributed = isinstance(optimizer, DistributedOptimizer)
     if with_optimizer and not distributed:  # templates for the moments (right shapes)
