@@ -18,7 +18,10 @@ while ``float16`` (no loss scaling in vime) is refused for both at parse time;
 uses on CUDA frees every storage in place and restores it bit for bit; a save
 killed between its writes and its commit leaves the previous checkpoint
 loadable and the run resumes exactly; a checkpoint saved by 2 ranks loads on 1
-rank with the same weights and resharded optimizer state; ``--load`` of a
+rank with the same weights and resharded optimizer state; with several
+micro-batches a step, ``hybrid`` and ``no_shard`` all-reduce across replicas once
+per FSDP group and step (not once per micro-batch) and still give ``full``'s
+gradient and update; ``--load`` of a
 checkpoint folder itself or of a folder whose tracker is lost, and a shard
 corrupted at its right size, raise a CheckpointError naming the folder, while a
 missing or empty ``--load`` (the first run of a resumable job) starts at
@@ -27,10 +30,12 @@ rollout 0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -166,6 +171,53 @@ def job_modes(rank: int, world: int, hf: str) -> dict:
         results[mode] = got
         actors[mode] = actor
     results["sleep"] = _sleep_then_continue(actors["full"], actor_args(hf, world), world)
+    return results
+
+
+@contextlib.contextmanager
+def _counting_all_reduces() -> Iterator[list[int]]:
+    """The element counts of the ``all_reduce`` calls made inside the block (the real
+    collective still runs)."""
+    import torch.distributed as dist
+
+    calls: list[int] = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = real
+
+
+def job_replica_sums(rank: int, world: int, hf: str) -> dict:
+    """Per mode, at two micro-batches a step: the step-0 gradient and the all-reduces its
+    backward ran, the number of FSDP groups, and the weights after a rollout."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from vime.algo.metrics import MetricAccumulator
+
+    results = {}
+    for mode in ("full", "hybrid", "no_shard"):
+        actor, _ = _actor(actor_args(hf, world, *MODES[mode]))
+        sched = schedule(make_batch(0), global_batch_size=4, dp_size=world, micro_batch_size=1)
+        ref = actor.compute_log_probs(sched, "ref")
+        with _counting_all_reduces() as calls:
+            actor.backward_step(sched, 0, MetricAccumulator(), ref=ref)
+        grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+        actor.optimizer.zero_grad(set_to_none=True)
+        actor.train(sched)
+        results[mode] = {
+            "micro_batches": len(sched.plan.steps[0].for_rank(actor.dp_rank)),
+            "all_reduces": len(calls),
+            "groups": sum(isinstance(m, FSDPModule) for m in actor.model.modules()),
+            "grads": grads,
+            "weights": _full_weights(actor),
+        }
     return results
 
 
@@ -329,6 +381,27 @@ def test_parameters_are_laid_out_as_the_mode_says(modes) -> None:
             assert got["placements"] == (Replicate(), Shard(0)), (mode, name)
             assert got["local"] == got["global"], (mode, name)  # a whole replica per rank
         assert modes["cpu_offload"]["layout"][name] == full, name
+
+
+@pytest.fixture(scope="module")
+def replica_sums(hf_dir, tmp_path_factory) -> dict:
+    return spawn(job_replica_sums, 2, tmp_path_factory.mktemp("replica_sums"), hf_dir)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "no_shard"])
+def test_replicas_all_reduce_once_per_step(replica_sums, mode) -> None:
+    """Two micro-batches a step: one replica all-reduce per FSDP group (the partial sums of
+    the first backward wait for the last), ``full`` none, and the gradient and update are
+    still ``full``'s."""
+    full, other = replica_sums["full"], replica_sums[mode]
+    assert other["micro_batches"] == 2
+    assert full["all_reduces"] == 0
+    assert other["all_reduces"] == other["groups"] > 1
+    assert max(float(g.abs().max()) for g in full["grads"].values()) > 1e-3, "zero gradient"
+    for name, grad in full["grads"].items():
+        torch.testing.assert_close(other["grads"][name], grad, **GRAD_TOL, msg=name)
+    for name, weight in full["weights"].items():
+        torch.testing.assert_close(other["weights"][name], weight, **WEIGHT_TOL, msg=name)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ A backend supplies only what differs: how a packed row becomes logits
 (``_logits``; a backend that splits the model over ranks replaces the micro-batch
 loop itself, ``_run_micro_batches``), which tensors hold this rank's share of the weights
 (``_local_tensors``), how the global gradient norm is computed (``grad_norm``),
-what must happen to gradients after backward (``_finish_grads``: megatron sums
+what must happen to gradients before and after backward (``_before_backward``,
+``_finish_grads``: megatron sums
 data-parallel and partial tensor-parallel grads there; FSDP2 has already
 reduce-scattered), what to free before sleeping (``_release_gathered``: FSDP2's
 gathered groups), its HF-named weight source (``weight_buckets``) and its
@@ -85,6 +86,12 @@ class PolicyTrainActor(TrainActor):
 
     def _release_gathered(self) -> None:
         """Free full-weight copies a forward may have left behind (before ``sleep``)."""
+
+    def _before_backward(self, last: bool) -> None:
+        """Called before each micro-batch's backward; ``last`` on the step's final one
+        (every rank has as many micro-batches, so the ranks agree on which is last).
+        Where a replica-wide gradient sum can wait for the step's end, it is skipped
+        until ``last``: FSDP2's replica all-reduce in ``hybrid`` and ``no_shard``."""
 
     def _finish_grads(self) -> None:
         """Complete the step's gradient after every micro-batch's backward."""
@@ -216,11 +223,12 @@ class PolicyTrainActor(TrainActor):
         backend that splits the model over ranks (megatron's pipeline) replaces this
         with a schedule that calls ``consume`` only where the logits are.
         """
-        for indices in micro_batches:
+        for position, indices in enumerate(micro_batches):
             packed = self._pack(batch, indices)
             logp, entropy = self._log_probs(self._logits(packed), packed, with_entropy=backward)
             loss = consume(indices, packed, logp, entropy)
             if backward:
+                self._before_backward(last=position == len(micro_batches) - 1)
                 loss.backward()
 
     @torch.no_grad()

@@ -43,6 +43,8 @@ class FSDP2Actor(PolicyTrainActor):
         self.args = args
         self.rank, self.world, self.device = fsdp_model.init_distributed()
         mesh = fsdp_model.build_mesh(args.fsdp_mode, self.world, args.fsdp_shard_size, self.device)
+        # hybrid and no_shard: (replicas, shard) mesh; the replicas all-reduce gradients.
+        self.replicas = mesh.size(0) if mesh.ndim == 2 else 1
         if args.hf_checkpoint is None:
             raise ValueError("the fsdp2 backend needs --hf-checkpoint DIR")
         param_dtype = vime_device.resolve_dtype(args.fsdp_param_dtype, self.device)
@@ -80,6 +82,14 @@ class FSDP2Actor(PolicyTrainActor):
 
     def _local_tensors(self) -> list[torch.Tensor]:
         return [_local(p) for p in self.params]
+
+    def _before_backward(self, last: bool) -> None:
+        # Each backward reduce-scatters within the shard group; FSDP2 keeps the partial
+        # sums, so the all-reduce across replicas (the slow, often inter-node, one) runs
+        # once per optimizer step instead of once per micro-batch. The partial sums cost
+        # one more gradient shard (in the reduce dtype) for the length of the step.
+        if self.replicas > 1:
+            self.model.set_requires_all_reduce(last)
 
     def grad_norm(self) -> torch.Tensor:
         # FSDP reduce-scattered the gradients in backward: the norm of the DTensor shards.
