@@ -10,7 +10,8 @@ Checked for Qwen3 at TP=1/DP=1, TP=2 (two gloo processes) and DP=2, for a tied
 Llama at TP=2, and for a four-layer tied Llama at TP=2 x PP=2 with sequence parallel
 and stages of one and three layers (four processes), at PP=4 (two middle stages
 without embeddings or output), and at PP=2 x DP=2 with megatron-core's distributed
-optimizer (tied embeddings summed over the pipeline ends after the reduce-scatter).
+optimizer (tied embeddings summed over the pipeline ends after the reduce-scatter;
+two micro-batches per replica and step).
 
 Also: the weight source yields exactly the HF weights it loaded, in HF-named
 buckets under the budget, and the HF export reloads in transformers; at PP=2
@@ -23,7 +24,8 @@ moments bitwise; megatron-core's distributed optimizer (in bf16)
 shards fp32 main weights and moments over DP, trains like the plain run (same decay
 groups; a few weights a bf16 rounding apart), resumes bitwise (step count included),
 re-splits its checkpoint over another DP size and refuses a run without it or at
-another TP size; at TP=2 x DP=2 in fp32 it matches the plain run to 5e-5; a non-finite
+another TP size; at TP=2 x DP=2 in fp32 it matches the plain run to 5e-5; its
+reduce-scatters start in the step's last backward and are in flight when it ends; a non-finite
 gradient norm skips the step, with torch AdamW and with the distributed optimizer; a
 checkpoint of another backend is rejected;
 ``vime-train --train-backend megatron`` runs 2 rollouts end to end (PP=2, the
@@ -33,6 +35,7 @@ default rollout engine, weight sync checked by the trainer's log-prob probe).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +168,7 @@ def scenario_align(actor, args, start):
         "micro": micro,
         "grad_norm": grad_norm,
         "weights": _full_weights(actor),
+        "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
     }
 
 
@@ -256,6 +260,30 @@ def scenario_share_save(actor, args, start):
     return {**result, "shares": shares}
 
 
+def scenario_overlap(actor, args, start):
+    """Two rollouts, the first at one micro-batch per rank and step, the second at
+    ``args``' size; on the second, whether every bucket's reduce-scatter was in flight
+    when the step's backward passes had ended. (megatron-core learns from the first step
+    how many gradients each bucket gets before its reduction may start: one micro-batch's
+    worth here, so a second micro-batch can only be right if vime says which is last.)"""
+    in_flight: list[bool] = []
+    finish = actor._finish_grads
+
+    def recording() -> None:
+        groups = actor.optimizer.ddp.bucket_groups
+        in_flight.extend(g.grad_reduce_handle is not None for g in groups)
+        finish()
+
+    batch, dp = make_batch(0), _dp(actor)
+    one_each = args.global_batch_size // dp
+    actor.train(
+        schedule(batch, global_batch_size=one_each * dp, dp_size=dp, micro_batch_size=one_each)
+    )
+    actor._finish_grads = recording
+    result = scenario_train(actor, args, 1, count=1)
+    return {**result, "in_flight": in_flight}
+
+
 def scenario_load_train(actor, args, start):
     return {"loaded": _full_weights(actor), **scenario_train(actor, args, start)}
 
@@ -274,6 +302,7 @@ SCENARIOS = {
         scenario_nan,
         scenario_share_save,
         scenario_load_train,
+        scenario_overlap,
     )
 }
 
@@ -332,7 +361,15 @@ def _fsdp_reference(model_dir: str, tmp_path: Path) -> dict:
             ("--megatron-sequence-parallel", "--megatron-decoder-first-pipeline-num-layers", "1"),
         ),
         ("llama_tied_4l", 4, 1, 4, ()),
-        ("llama_tied_4l", 4, 1, 2, ("--megatron-use-distributed-optimizer",)),
+        (
+            "llama_tied_4l",
+            4,
+            1,
+            2,
+            # Two micro-batches per replica and step: megatron-core's schedule keeps the
+            # first backward's gradient out of the reduce-scatter (no_sync).
+            ("--megatron-use-distributed-optimizer", "--micro-batch-size", "1"),
+        ),
     ],
     ids=[
         "qwen3-tp1",
@@ -341,7 +378,7 @@ def _fsdp_reference(model_dir: str, tmp_path: Path) -> dict:
         "llama_tied-tp2",
         "llama_tied_4l-tp2-pp2-sp-uneven",
         "llama_tied_4l-pp4",
-        "llama_tied_4l-pp2-dp2-distributed-optimizer",
+        "llama_tied_4l-pp2-dp2-distributed-optimizer-mbs1",
     ],
 )
 def test_megatron_matches_fsdp2(
@@ -357,6 +394,8 @@ def test_megatron_matches_fsdp2(
         tmp_path,
     )
     _assert_aligned(reference, mega)
+    if tp > 1:  # one CUDA hardware queue: collectives stay ahead of the matmuls they overlap
+        assert mega["max_connections"] == "1"
 
 
 def test_hf_export_and_buckets(hf_dir, tmp_path) -> None:
@@ -636,6 +675,26 @@ def test_distributed_optimizer(hf_dir, tmp_path) -> None:
     with pytest.raises(Exception, match="with --megatron-use-distributed-optimizer"):
         run("megatron", "load", args(1, "--load", ckpt), 1, tmp_path)
     assert checkpoint.latest(ckpt) == 1
+
+
+def test_distributed_optimizer_overlaps_the_last_backward(hf_dir, tmp_path) -> None:
+    """At DP=2 with two micro-batches per rank and step (fp32), the distributed optimizer's
+    reduce-scatters are in flight when the step's backward ends (started by the last
+    backward, bucket by bucket), and the first backward's gradient is not reduced on its
+    own, also after a rollout of one micro-batch per step: training matches the plain
+    DP=2 run."""
+    mbs1 = ("--micro-batch-size", "1")
+    plain = run("megatron", "train", actor_args(hf_dir, 2, *mbs1, backend="megatron"), 2, tmp_path)
+    zero = "--megatron-use-distributed-optimizer"
+    got = run(
+        "megatron", "overlap", actor_args(hf_dir, 2, zero, *mbs1, backend="megatron"), 2, tmp_path
+    )
+    assert got["in_flight"] and all(got["in_flight"]), got["in_flight"]
+    want = plain["metrics"][1]
+    for key in ("train/loss", "train/grad_norm", "train/kl_loss", "train/entropy"):
+        assert got["metrics"][0][key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    for name, weight in plain["weights"].items():
+        assert (got["weights"][name] - weight).abs().max() <= 5e-5, name
 
 
 def test_distributed_optimizer_at_tp2(hf_dir, tmp_path) -> None:

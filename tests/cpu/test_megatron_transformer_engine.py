@@ -8,7 +8,8 @@ refuses with one such error instead of failing inside megatron-core; the names
 ``convert.param_map(fused_norms=True)`` gives TE's fused norms are exactly the
 checkpoint keys megatron-core writes for the local layers' norms (its
 ``sharded_state_dict_keys_map``, in the spec and in a real model's sharded state
-dict), for Qwen3 with QK norms, Qwen2 with q/k/v biases and Llama; and a checkpoint
+dict), for Qwen3 with QK norms, Qwen2 with q/k/v biases and Llama; the TE layers
+take TE's fused RoPE; and a checkpoint
 saved under one impl is refused under the other with a clear error. The TE layers
 themselves run only in ``tests/gpu/test_megatron_gpu.py``.
 """
@@ -159,6 +160,17 @@ def _apply_keys_map(name: str, keys_map: dict[str, str]) -> str:
         if rest.startswith(old):
             return layer.group(0) + new + rest[len(old) :]
     return name
+
+
+def test_te_layers_take_the_fused_rope_kernel() -> None:
+    """TE's layers apply RoPE with TE's fused kernel (a THD row at once, not megatron-core's
+    loop over its samples); the local layers keep megatron-core's defaults."""
+    from vime.backends.megatron.model import kernel_fields
+
+    assert kernel_fields("transformer_engine") == {"apply_rope_fusion": True}
+    assert kernel_fields("local") == {}
+    with pytest.raises(ValueError, match="unknown transformer impl"):
+        kernel_fields("apex")
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -146,9 +146,12 @@ def test_three_rollouts_log_every_metric_and_advance_the_weights(full_run: Path)
 
 
 def test_library_progress_bars_stay_off_the_console(full_run: Path) -> None:
+    """vime's progress line shows; the libraries' loading and writing bars and Ray's
+    local start-up line do not."""
     console = (full_run / "stdout.txt").read_text() + (full_run / "stderr.txt").read_text()
     assert "rollout 3/3" in console  # vime's own progress line is there
     assert "Loading weights" not in console and "Writing model shards" not in console
+    assert "Started a local Ray instance" not in console
 
 
 def test_auto_engine_is_vllm_where_it_imports(full_run: Path) -> None:

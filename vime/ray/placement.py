@@ -107,7 +107,15 @@ def start_ray(address: str | None, min_cpus: int) -> None:
     else:
         cpus = max(os.cpu_count() or 1, min_cpus)
         _quiet_default_auth_notice()
-        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+        # The "ray" logger at WARNING: a local start's INFO line ("Started a local Ray
+        # instance") tells the user nothing they did not ask for.
+        ray.init(
+            num_cpus=cpus,
+            include_dashboard=False,
+            runtime_env=env,
+            log_to_driver=True,
+            logging_level=logging.WARNING,
+        )
     _stop_on_sigterm(before)
 
 

@@ -58,6 +58,7 @@ under the impl that saved it only (HF export moves weights across).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,12 @@ class MegatronActor(PolicyTrainActor):
         self.transformer_impl = args.megatron_transformer_impl
         self.fused_norms = mmodel.fuses_norms(self.transformer_impl)
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        if self.tp > 1:
+            # megatron-core's tensor- and sequence-parallel linears issue their async
+            # collectives just before the matmuls they should overlap; with one hardware
+            # queue the GPU keeps that order. CUDA reads it when the context is made, so
+            # it is set before anything here touches the device.
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         self._init_parallel()
         self.param_dtype = vime_device.resolve_dtype(args.megatron_param_dtype, self.device)
         self.model = self._build_model()
@@ -182,6 +189,7 @@ class MegatronActor(PolicyTrainActor):
             # beside its default (allgather) token dispatcher.
             **({"moe_token_dispatcher_type": "alltoall"} if pipelined else {}),
             **recompute_fields(self.args.megatron_recompute_granularity),
+            **mmodel.kernel_fields(self.transformer_impl),
         )
         model = mmodel.build_gpt_model(
             self.hf_config,
@@ -335,6 +343,10 @@ class MegatronActor(PolicyTrainActor):
 
     def _local_tensors(self) -> list[torch.Tensor]:
         return self.params
+
+    def _before_backward(self, last: bool) -> None:
+        if self.distributed:
+            self.optimizer.prepare_backward(last)
 
     def _finish_grads(self) -> None:
         """Sum the step's gradient over the DP group, the partial QK-norm grads over TP,

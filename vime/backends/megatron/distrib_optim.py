@@ -7,8 +7,12 @@ through ``shims``). It is megatron-core's own machinery end to end:
 - ``DistributedDataParallel`` wraps the model: backward hooks add each parameter's
   gradient into one contiguous fp32 buffer (``param.main_grad`` are views of it), so a
   step's micro-batches accumulate in fp32 whatever the weights' dtype.
-- ``finalize_model_grads`` reduce-scatters that buffer over the data-parallel group
-  (each rank keeps the sum of its 1/DP slice), sums the gradients that tensor-parallel
+- The step's last backward reduce-scatters that buffer over the data-parallel group
+  bucket by bucket, as backward fills the buckets (``overlap_grad_reduce``: the
+  communication runs under the rest of the backward; each rank keeps the sum of its
+  1/DP slice). Earlier micro-batches only accumulate: ``prepare_backward`` says which
+  backward is the last, and megatron-core's pipeline schedules ask ``no_sync``.
+  ``finalize_model_grads`` then waits for those reductions, sums the gradients that tensor-parallel
   ranks compute only partly (QK norms, sequence-parallel norms) over TP, and the tied
   embedding's two halves over the first and last pipeline stages. The sum, not the
   mean: the planner's global normalizers already make the DP sum the full-batch
@@ -66,11 +70,13 @@ class DistributedOptimizer:
             DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True,
                 use_distributed_optimizer=True,
-                overlap_grad_reduce=False,
+                overlap_grad_reduce=True,
                 overlap_param_gather=False,
             ),
             model,
         )
+        # megatron-core's pipeline schedules run every micro-batch but the last under this.
+        model.config.no_sync_func = self.ddp.no_sync
         config = OptimizerConfig(
             optimizer="adam",
             lr=args.lr,
@@ -113,6 +119,12 @@ class DistributedOptimizer:
         for part in self._parts:
             out.update(part.optimizer.state)
         return out
+
+    def prepare_backward(self, last: bool) -> None:
+        """Before a micro-batch's backward outside megatron-core's schedules: only the
+        step's ``last`` one starts the reduce-scatters (``no_sync`` for the others)."""
+        for group in self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups:
+            group.is_last_microbatch = last
 
     def finish_grads(self) -> None:
         """After the step's last backward: reduce-scatter over DP, partial sums over TP and

@@ -78,8 +78,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--megatron-use-distributed-optimizer",
         action="store_true",
         help="megatron-core's DDP wrapper and DistributedOptimizer: gradients "
-        "reduce-scattered, fp32 main weights and AdamW state sharded over the data-parallel "
-        "ranks, updated weights all-gathered (checkpoints resume at another DP size only)",
+        "reduce-scattered (overlapping the step's last backward), fp32 main weights and "
+        "AdamW state sharded over the data-parallel ranks, updated weights all-gathered "
+        "(checkpoints resume at another DP size only)",
     )
     g.add_argument(
         "--megatron-param-dtype",

@@ -316,6 +316,19 @@ def te_block_spec(tcfg: Any) -> TransformerBlockSubmodules:
 BLOCK_SPECS = {"local": local_block_spec, "transformer_engine": te_block_spec}
 
 
+def kernel_fields(transformer_impl: str) -> dict[str, Any]:
+    """``TransformerConfig`` fields of the fused kernels ``transformer_impl`` brings.
+
+    TE's layers: TE's fused RoPE, which takes a THD row whole through its
+    ``cu_seqlens`` (unfused, megatron-core applies RoPE sample by sample, a Python loop
+    over the row's samples in every attention layer). The local layers run without TE
+    and keep megatron-core's unfused defaults."""
+    fuses_norms(transformer_impl)  # an unknown impl fails here
+    if transformer_impl == "transformer_engine":
+        return {"apply_rope_fusion": True}
+    return {}
+
+
 def fuses_norms(transformer_impl: str) -> bool:
     """Whether ``transformer_impl``'s layers hold the pre-attention and pre-MLP norms inside
     the following linear (TE) instead of as modules of their own (local): the
