@@ -15,7 +15,7 @@ global normalizers make that sum the full-batch gradient), or in megatron-core's
 DDP wrapper with the distributed optimizer. Sequence parallel
 (``--megatron-sequence-parallel``) is megatron-core's, with rows padded to a
 multiple of TP and the norms' partial gradients summed over TP here; activation
-recompute is megatron-core's too (``recompute_fields``). Pipeline parallel (PP)
+recompute is megatron-core's too (``model.recompute_fields``). Pipeline parallel (PP)
 splits the layers into stages (``pipeline.py``) and runs each step's micro-batches
 through megatron-core's 1F1B schedule; only the last stage computes the loss, and
 its log-probs are broadcast to the other stages.
@@ -80,24 +80,6 @@ from vime.backends.policy_actor import MicroBatchFn, PerSample, PolicyTrainActor
 from vime.data.batch import TrainSchedule
 from vime.data.micro_batch import response_log_probs
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
-
-
-def recompute_fields(granularity: str) -> dict[str, Any]:
-    """``TransformerConfig`` fields of ``--megatron-recompute-granularity``.
-
-    ``selective`` recomputes core attention (megatron-core's default module: the
-    ``L x L`` scores are the large, cheap activations); ``full`` recomputes every
-    transformer layer from its input, one layer per checkpointed unit.
-    """
-    if granularity == "selective":
-        return {"recompute_granularity": "selective"}
-    if granularity == "full":
-        return {
-            "recompute_granularity": "full",
-            "recompute_method": "uniform",
-            "recompute_num_layers": 1,
-        }
-    return {}
 
 
 class MegatronActor(PolicyTrainActor):
@@ -188,7 +170,7 @@ class MegatronActor(PolicyTrainActor):
             # Dense models have no MoE, but megatron-core refuses variable_seq_lengths
             # beside its default (allgather) token dispatcher.
             **({"moe_token_dispatcher_type": "alltoall"} if pipelined else {}),
-            **recompute_fields(self.args.megatron_recompute_granularity),
+            **mmodel.recompute_fields(self.args.megatron_recompute_granularity),
             **mmodel.kernel_fields(self.transformer_impl),
         )
         model = mmodel.build_gpt_model(

@@ -316,6 +316,24 @@ def te_block_spec(tcfg: Any) -> TransformerBlockSubmodules:
 BLOCK_SPECS = {"local": local_block_spec, "transformer_engine": te_block_spec}
 
 
+def recompute_fields(granularity: str) -> dict[str, Any]:
+    """``TransformerConfig`` fields of ``--megatron-recompute-granularity``.
+
+    ``selective`` recomputes core attention (megatron-core's default module: the
+    ``L x L`` scores are the large, cheap activations); ``full`` recomputes every
+    transformer layer from its input, one layer per checkpointed unit.
+    """
+    if granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    if granularity == "full":
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    return {}
+
+
 def kernel_fields(transformer_impl: str) -> dict[str, Any]:
     """``TransformerConfig`` fields of the fused kernels ``transformer_impl`` brings.
 
