@@ -25,9 +25,9 @@ shards fp32 main weights and moments over DP, trains like the plain run (same de
 groups; a few weights a bf16 rounding apart), resumes bitwise (step count included),
 re-splits its checkpoint over another DP size and refuses a run without it or at
 another TP size; at TP=2 x DP=2 in fp32 it matches the plain run to 5e-5; its
-reduce-scatters start in the step's last backward and are in flight when it ends; a non-finite
-gradient norm skips the step, with torch AdamW and with the distributed optimizer; a
-checkpoint of another backend is rejected;
+reduce-scatters start in the step's last backward and are in flight when it ends; a
+non-finite gradient norm skips the step, with torch AdamW and with the distributed
+optimizer; a checkpoint of another backend is rejected;
 ``vime-train --train-backend megatron`` runs 2 rollouts end to end (PP=2, the
 default rollout engine, weight sync checked by the trainer's log-prob probe).
 """
@@ -419,6 +419,20 @@ def test_hf_export_and_buckets(hf_dir, tmp_path) -> None:
         assert len(bucket) == 1 or sum(sizes) <= 40_000
 
 
+def _assert_loads_as_saved(loaded: dict, saved: dict) -> None:
+    """``scenario_load``'s weights and AdamW moments (HF names) are bitwise those the
+    saving run ended with, step count included, and every moment was really written."""
+    assert sorted(loaded["weights"]) == sorted(saved["weights"])
+    for name, weight in saved["weights"].items():
+        assert torch.equal(loaded["weights"][name], weight), name
+    assert torch.equal(loaded["moments"]["step"], saved["moments"]["step"])
+    for moment in ("exp_avg", "exp_avg_sq"):
+        assert sorted(loaded["moments"][moment]) == sorted(saved["weights"])
+        for name, value in saved["moments"][moment].items():
+            assert value.abs().sum() > 0, f"{name}: {moment} never written"
+            assert torch.equal(loaded["moments"][moment][name], value), (moment, name)
+
+
 def test_resume_equals_uninterrupted(llama4_dropout_dir, tmp_path) -> None:
     """At PP=2, split unevenly (one layer, then three; tied embeddings), with attention
     dropout on: save -> new processes -> load -> continue equals the uninterrupted run
@@ -445,14 +459,7 @@ def test_resume_equals_uninterrupted(llama4_dropout_dir, tmp_path) -> None:
         assert torch.equal(resumed["weights"][name], weight), name
     single = run("megatron", "load", args(1, 1, "--load", ckpt), 1, tmp_path)
     assert single["start"] == 2
-    assert sorted(single["weights"]) == sorted(first["weights"])
-    for name, weight in first["weights"].items():
-        assert torch.equal(single["weights"][name], weight), name
-    assert torch.equal(single["moments"]["step"], first["moments"]["step"])
-    for moment in ("exp_avg", "exp_avg_sq"):
-        for name, value in first["moments"][moment].items():
-            assert value.abs().sum() > 0, f"{name}: {moment} never written"
-            assert torch.equal(single["moments"][moment][name], value), (moment, name)
+    _assert_loads_as_saved(single, first)
 
 
 def test_checkpoint_is_dist_checkpointing_and_reshards(hf_dir, tmp_path) -> None:
@@ -493,15 +500,7 @@ def test_checkpoint_is_dist_checkpointing_and_reshards(hf_dir, tmp_path) -> None
         tmp_path,
     )
     assert loaded["start"] == 2
-    assert sorted(loaded["weights"]) == sorted(saved["weights"])
-    for name, weight in saved["weights"].items():
-        assert torch.equal(loaded["weights"][name], weight), name
-    assert torch.equal(loaded["moments"]["step"], saved["moments"]["step"])
-    for moment in ("exp_avg", "exp_avg_sq"):
-        assert sorted(loaded["moments"][moment]) == sorted(saved["weights"])
-        for name, value in saved["moments"][moment].items():
-            assert value.abs().sum() > 0, f"{name}: {moment} never written"
-            assert torch.equal(loaded["moments"][moment][name], value), (moment, name)
+    _assert_loads_as_saved(loaded, saved)
 
 
 def test_checkpoint_is_written_and_read_by_every_replica(hf_dir, tmp_path) -> None:
@@ -525,13 +524,7 @@ def test_checkpoint_is_written_and_read_by_every_replica(hf_dir, tmp_path) -> No
         tmp_path,
     )
     assert loaded["start"] == 2
-    for name, weight in saved["weights"].items():
-        assert torch.equal(loaded["weights"][name], weight), name
-    assert torch.equal(loaded["moments"]["step"], saved["moments"]["step"])
-    for moment in ("exp_avg", "exp_avg_sq"):
-        for name, value in saved["moments"][moment].items():
-            assert value.abs().sum() > 0, f"{name}: {moment} never written"
-            assert torch.equal(loaded["moments"][moment][name], value), (moment, name)
+    _assert_loads_as_saved(loaded, saved)
 
 
 def _save_job(rank: int, world: int, folder: str) -> dict:

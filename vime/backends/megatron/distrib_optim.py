@@ -12,12 +12,12 @@ through ``shims``). It is megatron-core's own machinery end to end:
   communication runs under the rest of the backward; each rank keeps the sum of its
   1/DP slice). Earlier micro-batches only accumulate: ``prepare_backward`` says which
   backward is the last, and megatron-core's pipeline schedules ask ``no_sync``.
-  ``finalize_model_grads`` then waits for those reductions, sums the gradients that tensor-parallel
-  ranks compute only partly (QK norms, sequence-parallel norms) over TP, and the tied
-  embedding's two halves over the first and last pipeline stages. The sum, not the
-  mean: the planner's global normalizers already make the DP sum the full-batch
-  gradient, and ``calculate_per_token_loss`` (set by the actor) keeps the wrapper from
-  dividing by the DP size.
+  ``finalize_model_grads`` then waits for those reductions, sums the gradients that
+  tensor-parallel ranks compute only partly (QK norms, sequence-parallel norms) over
+  TP, and the tied embedding's two halves over the first and last pipeline stages.
+  The sum, not the mean: the planner's global normalizers already make the DP sum the
+  full-batch gradient, and ``calculate_per_token_loss`` (set by the actor) keeps the
+  wrapper from dividing by the DP size.
 - megatron-core's ``DistributedOptimizer`` keeps fp32 main weights and AdamW moments
   for this rank's slice only, steps them (torch ``AdamW`` where neither
   TransformerEngine nor Apex is installed, TE's fused Adam where it is) and
