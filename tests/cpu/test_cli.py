@@ -108,6 +108,23 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
         (["--eps-clip-c", "0.9"], ["--eps-clip-c", "> 1"]),
         (["--kl-loss-type", "k3"], ["--kl-loss-type k3 needs --use-kl-loss"]),
         (["--kl-loss-coef", "0.1"], ["needs --use-kl-loss"]),
+        (["--tis-clip", "3"], ["--tis-clip needs --use-tis"]),
+        (["--tis-mode", "mask"], ["--tis-mode needs --use-tis"]),
+        (["--use-tis", "--tis-clip", "0"], ["--tis-clip must be > 0"]),
+        (
+            ["--use-tis", "--tis-clip-low", "0.5"],
+            ["--tis-clip-low applies only to --tis-mode mask"],
+        ),
+        (
+            ["--use-tis", "--tis-mode", "mask", "--tis-clip-low", "3"],
+            ["--tis-clip-low must be in [0, --tis-clip=2.0)"],
+        ),
+        (["--over-sampling-factor", "2"], ["--over-sampling-factor needs --dynamic-sampling"]),
+        (
+            ["--dynamic-sampling-filter", "--over-sampling-factor", "0.5"],
+            ["--over-sampling-factor must be >= 1"],
+        ),
+        (["--loss-agg-norm-len", "64"], ["--loss-agg-norm-len applies only to", "token-mean"]),
         (["--hf-checkpoint", "/no/such/model"], ["--hf-checkpoint /no/such/model", "directory"]),
         (["--prompt-data", "/no/such.jsonl"], ["--prompt-data /no/such.jsonl: no such file"]),
         (["--load", "/no/such/ckpt"], ["--load /no/such/ckpt: no such directory"]),

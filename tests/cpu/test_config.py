@@ -110,6 +110,11 @@ def test_cli_choices_match_algo() -> None:
     assert common_flags.ADVANTAGE_ESTIMATORS == algo.ADVANTAGE_ESTIMATORS
     assert common_flags.KL_TYPES == algo.KL_TYPES
     assert common_flags.AGGREGATION_MODES == algo.AGGREGATION_MODES
+    from vime.algo import correction, losses
+
+    assert common_flags.POLICY_LOSS_LEVELS == losses.POLICY_LOSS_LEVELS
+    assert common_flags.CORRECTION_LEVELS == correction.CORRECTION_LEVELS
+    assert common_flags.CORRECTION_MODES == correction.CORRECTION_MODES
 
 
 def test_embedded_eval_follows_the_training_task(tmp_path) -> None:

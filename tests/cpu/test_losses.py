@@ -1,6 +1,6 @@
 """policy_loss, kl_penalty and aggregate_loss: values and gradients equal their definitions.
 
-Proves: PPO clip (asymmetric), dual clip, GSPO and TIS per-token losses and
+Proves: PPO clip (asymmetric), dual clip and GSPO per-token losses and
 metrics match hand-computed numbers and a brute-force loop over the formulas;
 d(loss)/d(logp) matches finite differences (float64 gradcheck) at token and
 sequence level, with and without dual clip, and for every KL kind; GSPO's
@@ -47,9 +47,7 @@ def _clip(r: float, lo: float, hi: float) -> float:
     return min(max(r, 1 - lo), 1 + hi)
 
 
-def _reference_policy_loss(
-    logp, old, adv, mask, *, lo, hi, c=None, level="token", roll=None, C=None
-):
+def _reference_policy_loss(logp, old, adv, mask, *, lo, hi, c=None, level="token"):
     """The docstring formulas, one token at a time."""
     b, t = logp.shape
     out = torch.zeros(b, t, dtype=D)
@@ -63,8 +61,6 @@ def _reference_policy_loss(
             loss = max(-a * r, -a * _clip(r, lo, hi))
             if c is not None and a < 0:
                 loss = min(loss, -a * c)
-            if C is not None:
-                loss *= min(math.exp(old[i, j].item() - roll[i, j].item()), C)
             out[i, j] = loss
     return out
 
@@ -85,7 +81,7 @@ def test_ppo_clip_hand_computed():
     assert m["clipfrac"].tolist() == [[1.0, 0.0, 0.0, 1.0]]
     torch.testing.assert_close(m["ratio"], _t([[1.5, 0.5, 1.5, 0.5]]))
     torch.testing.assert_close(m["ppo_kl"], -logp)
-    assert "dual_clipfrac" not in m and "tis_weight" not in m
+    assert "dual_clipfrac" not in m
 
 
 def test_asymmetric_clip_hand_computed():
@@ -120,49 +116,18 @@ def test_gspo_hand_computed():
     assert m["clipfrac"].tolist() == [[1.0, 1.0], [0.0, 0.0]]
 
 
-def test_tis_hand_computed():
-    # w = min(exp(old − rollout), C): exp(ln 1.5) = 1.5 → 1.5; exp(ln 3) = 3 → C = 2
-    logp = torch.zeros(1, 2, dtype=D)
-    roll = _t([[-LN(1.5), -LN(3.0)]])
-    loss, m = policy_loss(
-        logp,
-        torch.zeros_like(logp),
-        _t([1.0]),
-        torch.ones_like(logp),
-        rollout_logp=roll,
-        tis_clip=2.0,
-    )
-    torch.testing.assert_close(m["tis_weight"], _t([[1.5, 2.0]]))
-    assert m["tis_clipfrac"].tolist() == [[0.0, 1.0]]
-    torch.testing.assert_close(loss, _t([[-1.5, -2.0]]))  # ratio 1, A = 1: ℓ = −1 · w
-
-
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("dual", [None, 2.5])
-@pytest.mark.parametrize("tis", [False, True])
 @pytest.mark.parametrize("adv_per_token", [False, True])
-def test_matches_bruteforce_reference(level, dual, tis, adv_per_token):
+def test_matches_bruteforce_reference(level, dual, adv_per_token):
     logp, old, adv, mask = _random_batch(seed=7)
     logp = old + (logp - old) * 3  # push many ratios past the clip bounds
     if adv_per_token:
         adv = adv[:, None] * torch.linspace(-1, 2, logp.shape[1], dtype=D)
-    roll = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3), dtype=D)
-    kw = {"rollout_logp": roll, "tis_clip": 1.1} if tis else {}
     loss, m = policy_loss(
-        logp, old, adv, mask, eps_clip=0.2, eps_clip_high=0.3, eps_clip_c=dual, level=level, **kw
+        logp, old, adv, mask, eps_clip=0.2, eps_clip_high=0.3, eps_clip_c=dual, level=level
     )
-    ref = _reference_policy_loss(
-        logp,
-        old,
-        adv,
-        mask,
-        lo=0.2,
-        hi=0.3,
-        c=dual,
-        level=level,
-        roll=roll if tis else None,
-        C=1.1 if tis else None,
-    )
+    ref = _reference_policy_loss(logp, old, adv, mask, lo=0.2, hi=0.3, c=dual, level=level)
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
     assert 0 < m["clipfrac"].sum() < mask.sum()  # the test exercises both branches
     for v in m.values():
@@ -240,21 +205,6 @@ def test_gspo_gradient_equals_direct_sequence_objective(scale):
     assert x1.grad.abs().sum() > 0
 
 
-def test_tis_weight_scales_gradient_and_is_detached():
-    logp, old, adv, mask = _random_batch(seed=13)
-    roll = (old - 0.2).requires_grad_()
-    x1 = logp.clone().requires_grad_()
-    loss, m = policy_loss(x1, old, adv, mask, rollout_logp=roll, tis_clip=1.1)
-    loss.sum().backward()
-    x2 = logp.clone().requires_grad_()
-    plain, _ = policy_loss(x2, old, adv, mask)
-    (plain * m["tis_weight"]).sum().backward()
-    torch.testing.assert_close(x1.grad, x2.grad)
-    assert roll.grad is None
-    w = torch.exp(torch.tensor(0.2, dtype=D)).clamp(max=1.1)
-    torch.testing.assert_close(m["tis_weight"], w * mask)
-
-
 # ---------------------------------------------------------------- masked garbage
 
 
@@ -266,11 +216,8 @@ def test_garbage_at_masked_positions_is_harmless(level):
     logp = logp.masked_fill(pad, float("nan"))
     old = old.masked_fill(pad, float("-inf"))
     adv = adv.masked_fill(pad, float("inf"))
-    roll = old.masked_fill(pad, float("inf"))
     x = logp.clone().requires_grad_()
-    loss, m = policy_loss(
-        x, old, adv, mask, level=level, eps_clip_c=3.0, rollout_logp=roll, tis_clip=2.0
-    )
+    loss, m = policy_loss(x, old, adv, mask, level=level, eps_clip_c=3.0)
     assert torch.isfinite(loss).all() and torch.all(loss[pad] == 0)
     for v in m.values():
         assert torch.isfinite(v).all() and torch.all(v[pad] == 0)
@@ -296,10 +243,6 @@ def test_policy_loss_bad_arguments():
         policy_loss(x, x, a, x, eps_clip_c=1.0)
     with pytest.raises(ValueError, match=r"unknown policy loss level 'seq'; choose from \("):
         policy_loss(x, x, a, x, level="seq")
-    with pytest.raises(ValueError, match="tis_clip is set but rollout_logp is None"):
-        policy_loss(x, x, a, x, tis_clip=2.0)
-    with pytest.raises(ValueError, match=r"tis_clip must be > 0; got 0\.0"):
-        policy_loss(x, x, a, x, rollout_logp=x, tis_clip=0.0)
     with pytest.raises(ValueError, match=r"advantages must be \[B\] or \[B, T\]"):
         policy_loss(x, x, torch.zeros(3), x)
     with pytest.raises(ValueError, match=r"logp, old_logp and mask must all be \[B, T\]"):
@@ -393,7 +336,7 @@ def test_aggregate_default_normalizers(mode, expected):
     ],
 )
 def test_aggregate_explicit_global_normalizers(mode, expected):
-    got = aggregate_loss(_V, _M, mode, num_tokens=10, num_seqs=4, max_len=8)
+    got = aggregate_loss(_V, _M, mode, num_tokens=10, num_seqs=4, norm_len=8)
     assert got.item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -401,7 +344,7 @@ def test_aggregate_micro_batches_sum_to_whole_batch():
     # With the step's global normalizers, per-micro-batch losses add up exactly.
     for mode in AGGREGATION_MODES:
         whole = aggregate_loss(_V, _M, mode)
-        kw = {"num_tokens": 5, "num_seqs": 2, "max_len": 3}
+        kw = {"num_tokens": 5, "num_seqs": 2, "norm_len": 3}
         parts = sum(aggregate_loss(_V[i : i + 1], _M[i : i + 1], mode, **kw) for i in range(3))
         torch.testing.assert_close(parts, whole)
 

@@ -5,9 +5,10 @@ micro-batches give exactly the means of one big batch (where a plain mean of
 per-micro-batch means would not); two simulated ranks' ``to_tensor`` summed
 (what an ``all_reduce(SUM)`` does) and rebuilt with ``from_tensor`` give the
 global means; ``merge`` is the same as adding everything to one accumulator;
-zero-weight names are omitted; NaN at masked positions is ignored; ``all_reduce`` over
-two real gloo ranks that hold different names (a pipeline stage without the loss)
-sums each name over the ranks that have it.
+zero-weight names are omitted; NaN at masked positions is ignored; a maximum ignores
+masked positions, merges by max and is omitted when nothing was measured; ``all_reduce``
+over two real gloo ranks that hold different names (a pipeline stage without the loss)
+sums each name over the ranks that have it and takes each maximum over them.
 """
 
 from __future__ import annotations
@@ -150,14 +151,31 @@ def test_values_are_detached_and_shapes_checked():
         acc.add_samples("y", torch.ones(2), weights=torch.ones(3))
 
 
+def test_maximum_over_masked_values_and_merges():
+    acc = MetricAccumulator()
+    values = torch.tensor([[1.0, 9.0], [3.0, float("nan")]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    acc.add_max("top", values, mask)  # 9 and NaN sit at masked positions
+    assert acc.means() == {"top": 3.0}
+    other = MetricAccumulator()
+    other.add_max("top", torch.tensor([[5.0]]), torch.ones(1, 1))
+    other.add_max("none", torch.tensor([[5.0]]), torch.zeros(1, 1))
+    acc.merge(other)
+    assert acc.means() == {"top": 5.0}  # "none" measured nothing
+    assert acc.means(empty=math.nan)["none"] != acc.means(empty=math.nan)["none"]
+    assert acc.names() == []  # maxima are not in the summed layout
+
+
 def _all_reduce_job(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     acc = MetricAccumulator()
     acc.add("loss", 1.0 + rank, 0.5)
+    acc.add_max("ratio_max", torch.tensor([[3.0 - 2 * rank]]), torch.ones(1, 1))
     if rank == 1:  # only the last pipeline stage computes the loss's metrics
         acc.add_samples("entropy", torch.tensor([2.0, 4.0]))
+        acc.add_max("weight_max", torch.tensor([[7.0]]), torch.ones(1, 1))
     before = acc.means()
     reduced = acc.all_reduce()
     return {"means": reduced.means(), "unchanged": acc.means() == before}
@@ -167,5 +185,6 @@ def test_all_reduce_over_ranks_with_different_names(tmp_path) -> None:
     from actor_harness import spawn
 
     got = spawn(_all_reduce_job, 2, tmp_path)
-    assert got["means"] == pytest.approx({"loss": (1.0 + 2.0) / 1.0, "entropy": 3.0})
+    expected = {"loss": (1.0 + 2.0) / 1.0, "entropy": 3.0, "ratio_max": 3.0, "weight_max": 7.0}
+    assert got["means"] == pytest.approx(expected)
     assert got["unchanged"]

@@ -25,6 +25,9 @@ import torch
 from vime.algo.aggregation import AGGREGATION_MODES, aggregate_loss
 from vime.data.packing import RolloutPlan, _equalize_micro_counts, plan_rollout
 
+# Dr. GRPO's constant length (the run's generation budget), the same for every step.
+NORM_LEN = 16
+
 
 def _random_rollout(rng: random.Random):
     dp = rng.choice([1, 2, 3, 4, 8])
@@ -70,7 +73,6 @@ def _check_plan(plan: RolloutPlan, total, loss, gbs, dp, cap=None, mbs=None, see
         assert max(loads) - min(loads) <= max(total[i] for i in members)
         assert step.num_tokens == sum(loss[i] for i in members)
         assert step.num_samples == sum(1 for i in members if loss[i] > 0)
-        assert step.max_response_len == max(loss[i] for i in members)
     assert sorted(seen) == list(range(n))  # every sample exactly once
 
 
@@ -140,7 +142,7 @@ def test_over_long_sample_sits_alone_and_short_rank_gets_empty_micro_batch():
     # Rank 0 holds only the over-long sample; rank 1 needs two rows, so rank 0
     # gets an empty filler micro-batch to keep the collectives in step.
     assert step.micro_batches == (((0,), ()), ((1, 2), (3,)))
-    assert (step.num_tokens, step.num_samples, step.max_response_len) == (9, 3, 4)
+    assert (step.num_tokens, step.num_samples) == (9, 3)
 
 
 def test_short_rank_splits_its_largest_rows_first():
@@ -225,9 +227,8 @@ def _planned_grad(plan, theta0, feats, masks, mode, step, global_norms=True):
         for mb in rank:
             values, mask = _values_and_mask(theta, feats, masks, list(mb))
             norms = (
-                dict(num_tokens=step.num_tokens, num_seqs=step.num_samples,
-                     max_len=step.max_response_len)
-                if global_norms else {}
+                dict(num_tokens=step.num_tokens, num_seqs=step.num_samples, norm_len=NORM_LEN)
+                if global_norms else {"norm_len": NORM_LEN}
             )  # fmt: skip
             aggregate_loss(values, mask, mode, **norms).backward()
     return theta.grad
@@ -251,7 +252,7 @@ def test_gradient_is_independent_of_dp_and_micro_geometry(mode):
         for step in plan.steps:
             theta = theta0.clone().requires_grad_(True)
             values, mask = _values_and_mask(theta, feats, masks, list(step.sample_indices))
-            aggregate_loss(values, mask, mode).backward()
+            aggregate_loss(values, mask, mode, norm_len=NORM_LEN).backward()
             got = _planned_grad(plan, theta0, feats, masks, mode, step)
             torch.testing.assert_close(got, theta.grad, rtol=1e-12, atol=1e-14)
 

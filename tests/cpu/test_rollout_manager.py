@@ -10,6 +10,10 @@ out) and advantage code, that:
   new seed per round; at ``--dynamic-sampling-max-rounds`` the rounds stop and
   dropped groups fill the batch (advantage 0, counted as short); without the
   filter one round is all there is;
+- with ``--over-sampling-factor`` F a round asks for ceil(F x missing) groups, keeps
+  the first that pass and counts the passing rest as surplus (default 1.5 with the
+  filter);
+- ``--use-tis`` without the engine's per-token log-probs stops with one line;
 - when the prompts run out the short batch is filled from dropped groups if it
   can be, else ``DataExhausted``;
 - a sample whose reward raised or timed out has an all-zero loss mask and
@@ -156,11 +160,12 @@ def _texts_of(manager: RolloutManager, batch) -> list[str]:
     ]
 
 
+EXACT_ROUNDS = ("--dynamic-sampling-filter", "--over-sampling-factor", "1")
+
+
 def test_dynamic_sampling_draws_until_the_batch_is_full(tmp_path, tokenizer) -> None:
     script = [RIGHT, MIXED, WRONG, MIXED, MIXED, MIXED]
-    manager, engine = _setup(
-        tmp_path, tokenizer, script, "--rm-type", "exact", "--dynamic-sampling-filter"
-    )
+    manager, engine = _setup(tmp_path, tokenizer, script, "--rm-type", "exact", *EXACT_ROUNDS)
     batch, metrics = manager.generate(0)
     # Round 0 draws q0 (agrees) and q1; round 1 draws q2 (agrees); round 2 draws q3.
     assert [texts for texts, _ in engine.calls] == [["q0=", "q1="], ["q2="], ["q3="]]
@@ -194,7 +199,7 @@ def test_dynamic_sampling_draws_until_the_batch_is_full(tmp_path, tokenizer) -> 
 
 def test_round_bound_fills_with_agreeing_groups(tmp_path, tokenizer) -> None:
     script = [RIGHT, WRONG, RIGHT, WRONG, MIXED, MIXED]
-    flags = ["--rm-type", "exact", "--dynamic-sampling-filter", "--dynamic-sampling-max-rounds"]
+    flags = ["--rm-type", "exact", *EXACT_ROUNDS, "--dynamic-sampling-max-rounds"]
     manager, engine = _setup(tmp_path, tokenizer, script, *flags, "2")
     batch, metrics = manager.generate(0)
     # Two rounds of two agreeing groups, then the bound: q4 and q5 are never drawn.
@@ -205,6 +210,52 @@ def test_round_bound_fills_with_agreeing_groups(tmp_path, tokenizer) -> None:
     assert metrics["rollout/prompts_drawn"] == 4.0
     assert metrics["rollout/groups_short"] == 2.0
     assert metrics["rollout/groups_filtered"] == 2.0  # q2 and q3: dropped and not used
+
+
+def test_over_sampling_asks_for_more_and_keeps_the_first_that_pass(tmp_path, tokenizer) -> None:
+    """A round asks for ceil(F x missing) groups, keeps the first that pass in prompt
+    order and counts the passing rest as surplus; the next rollout starts after them."""
+    script = [RIGHT, MIXED, MIXED, MIXED, WRONG, WRONG, MIXED, WRONG, WRONG, MIXED]
+    flags = ["--rm-type", "exact", "--dynamic-sampling-filter", "--over-sampling-factor", "2"]
+    manager, engine = _setup(tmp_path, tokenizer, script, *flags)
+    batch, metrics = manager.generate(0)
+    assert [texts for texts, _ in engine.calls] == [["q0=", "q1=", "q2=", "q3="]]
+    assert _texts_of(manager, batch) == ["q1="] * N + ["q2="] * N
+    assert metrics["rollout/prompts_drawn"] == 4.0
+    assert metrics["rollout/groups_surplus"] == 1.0  # q3 passed, not needed
+    assert metrics["rollout/groups_filtered"] == 1.0
+    # Round 0 draws q4-q7 (q6 passes); round 1 asks ceil(2 x 1) = 2: q8 agrees, q9 passes.
+    batch, metrics = manager.generate(1)
+    assert [texts for texts, _ in engine.calls[1:]] == [
+        ["q4=", "q5=", "q6=", "q7="],
+        ["q8=", "q9="],
+    ]
+    assert _texts_of(manager, batch) == ["q6="] * N + ["q9="] * N
+    assert metrics["rollout/prompts_drawn"] == 6.0 and metrics["rollout/groups_surplus"] == 0.0
+    assert metrics["rollout/groups_filtered"] == 4.0
+
+
+def test_correction_without_the_engines_log_probs_is_refused(tmp_path, tokenizer) -> None:
+    """--use-tis where the rollout carries no per-token log-probs stops with one line."""
+    from vime.config.errors import ConfigError
+
+    manager, engine = _setup(tmp_path, tokenizer, [MIXED], "--rm-type", "exact", "--use-tis")
+    real = engine.generate
+
+    def without_log_probs(prompts, params):
+        return [[c.__class__(c.prompt_ids, c.response_ids, [], c.finish_reason) for c in g]
+                for g in real(prompts, params)]  # fmt: skip
+
+    engine.generate = without_log_probs
+    manager.args = manager.args.replace(rollout_batch_size=1)
+    with pytest.raises(ConfigError, match="--use-tis weights each token by the engine's log-prob"):
+        manager.generate(0)
+
+
+def test_over_sampling_defaults_on_with_the_filter() -> None:
+    flags = ["--prompt-data", "builtin:reverse", "--dynamic-sampling-filter"]
+    assert parse_args(flags).over_sampling_factor == 1.5
+    assert parse_args(["--prompt-data", "builtin:reverse"]).over_sampling_factor is None
 
 
 def test_without_the_filter_agreeing_groups_are_trained_on(tmp_path, tokenizer) -> None:
@@ -223,9 +274,7 @@ def test_without_the_filter_agreeing_groups_are_trained_on(tmp_path, tokenizer) 
 
 def test_prompts_running_out_fill_from_dropped_groups(tmp_path, tokenizer) -> None:
     script = [RIGHT, MIXED, WRONG]
-    manager, engine = _setup(
-        tmp_path, tokenizer, script, "--rm-type", "exact", "--dynamic-sampling-filter"
-    )
+    manager, engine = _setup(tmp_path, tokenizer, script, "--rm-type", "exact", *EXACT_ROUNDS)
     batch, metrics = manager.generate(0)
     # Round 1 gets the last prompt, which agrees; no more rounds are possible.
     assert [texts for texts, _ in engine.calls] == [["q0=", "q1="], ["q2="]]
@@ -294,7 +343,7 @@ def test_failures_in_filtered_groups_are_counted_and_reported(tmp_path, tokenize
     (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
     script = [["boom"] * N, MIXED, MIXED]
     lines: list[str] = []
-    flags = ["--custom-rm-path", f"{tmp_path / 'flaky.py'}:reward", "--dynamic-sampling-filter"]
+    flags = ["--custom-rm-path", f"{tmp_path / 'flaky.py'}:reward", *EXACT_ROUNDS]
     manager, engine = _setup(tmp_path, tokenizer, script, *flags, warn=lines.append)
     batch, metrics = manager.generate(0)
     assert len(engine.calls) == 2

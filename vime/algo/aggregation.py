@@ -1,10 +1,10 @@
 """Loss aggregation: per-token values ``[B, T]`` -> one scalar.
 
 Where it fits: the last step of every loss. The trainer calls it once per
-micro-batch with the *step's* global normalizers (``num_tokens``, ``num_seqs``,
-``max_len`` from the planner), so summing the micro-batch losses over
-micro-batches and data-parallel ranks gives exactly the loss of the whole
-optimizer step, whatever the micro-batch geometry or DP size.
+micro-batch with the *step's* global normalizers (``num_tokens``, ``num_seqs``
+from the planner) and the run's constant ``norm_len``, so summing the
+micro-batch losses over micro-batches and data-parallel ranks gives exactly the
+loss of the whole optimizer step, whatever the micro-batch geometry or DP size.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def aggregate_loss(
     *,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
-    max_len: float | None = None,
+    norm_len: float | None = None,
 ) -> torch.Tensor:
     """Reduce per-token ``values`` ``[B, T]`` under a 0/1 ``mask`` to a scalar.
 
@@ -40,11 +40,14 @@ def aggregate_loss(
     - ``token-mean``:              Σ v·m / num_tokens          (num_tokens defaults to Σ m)
     - ``seq-mean-token-mean``:     Σᵢ (Σₜ vᵢₜ·mᵢₜ / nᵢ) / num_seqs
     - ``seq-mean-token-sum``:      Σᵢ Σₜ vᵢₜ·mᵢₜ / num_seqs
-    - ``seq-mean-token-sum-norm``: Σ v·m / (num_seqs · max_len)   (Dr. GRPO)
+    - ``seq-mean-token-sum-norm``: Σ v·m / (num_seqs · norm_len)  (Dr. GRPO)
 
-    ``num_seqs`` defaults to the number of sequences with nᵢ > 0 and ``max_len``
-    to T. Empty sequences contribute nothing; an all-empty batch gives 0 (with a
-    gradient path, so a backward over it is still valid).
+    Dr. GRPO's ``norm_len`` is a constant of the run, the generation budget (the
+    trainer passes ``--loss-agg-norm-len``, by default ``--rollout-max-response-len``),
+    so the loss scale does not move with each batch's longest response. ``num_seqs``
+    defaults to the number of sequences with nᵢ > 0 and ``norm_len`` to T. Empty
+    sequences contribute nothing; an all-empty batch gives 0 (with a gradient path,
+    so a backward over it is still valid).
     """
     if values.shape != mask.shape or values.dim() != 2:
         raise ValueError(
@@ -66,5 +69,5 @@ def aggregate_loss(
         return per_seq.sum() / max(float(num_seqs), 1.0)
     if mode == "seq-mean-token-sum":
         return masked.sum() / max(float(num_seqs), 1.0)
-    length = float(values.shape[1]) if max_len is None else float(max_len)
+    length = float(values.shape[1]) if norm_len is None else float(norm_len)
     return masked.sum() / max(float(num_seqs) * length, 1.0)

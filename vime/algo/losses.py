@@ -1,13 +1,15 @@
-"""Per-token policy-gradient loss (PPO clip, dual clip, GSPO, TIS) and KL penalties.
+"""Per-token policy-gradient loss (PPO clip, dual clip, GSPO) and KL penalties.
 
 Where it fits: a backend's micro-batch step gathers, for each response token,
 the trainer log-prob ``logp`` (with grad), the old-policy log-prob
-``old_logp``, optionally the reference ``ref_logp`` and the rollout engine's
-``rollout_logp``, plus the 0/1 response ``mask``, all ``[B, T]``. It calls
+``old_logp``, optionally the reference ``ref_logp``, plus the 0/1 response ``mask``, all
+``[B, T]``. It calls
 :func:`policy_loss` (and :func:`kl_penalty` when KL is on), adds the terms per
 token, and reduces them with :func:`vime.algo.aggregation.aggregate_loss`
 using the optimizer step's global normalizers. Nothing here aggregates, so
 the same code serves every aggregation mode and every micro-batch geometry.
+The rollout correction (TIS and its relatives) is a weight on this loss:
+``vime.algo.correction``.
 
 A custom loss given with ``--custom-loss-function-path`` must have the same
 signature as :func:`policy_loss`.
@@ -36,8 +38,6 @@ def policy_loss(
     eps_clip_high: float | None = None,
     eps_clip_c: float | None = None,
     level: str = "token",
-    rollout_logp: torch.Tensor | None = None,
-    tis_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss per token, ``[B, T]``, not aggregated.
 
@@ -62,12 +62,6 @@ def policy_loss(
         ℓ = max(−A·r, −A·clip(r))
     Dual clip (only with ``eps_clip_c`` = c > 1), for A < 0:
         ℓ = min(ℓ, −A·c)
-    Truncated importance sampling (``rollout_logp`` and ``tis_clip`` = C > 0),
-    correcting for the rollout engine sampling from a slightly different
-    distribution than the trainer's π_old:
-        w = min(exp(old_logp − rollout_logp), C)   (detached),   ℓ ← w·ℓ
-    (``rollout_logp`` without ``tis_clip`` applies no weight; ``tis_clip``
-    without ``rollout_logp`` is an error.)
 
     Masked positions (m = 0) give ℓ = 0 and zero gradient even when the
     log-probs or advantages there are NaN/inf. Log-ratios are clamped to
@@ -80,7 +74,6 @@ def policy_loss(
     - ``ppo_kl``: old_logp − logp (GSPO: −log sᵢ, broadcast over the sequence)
     - ``ratio``: r (GSPO: sᵢ)
     - ``dual_clipfrac`` (dual clip only): 1 where A < 0 and max(−A·r, −A·clip(r)) > −A·c
-    - ``tis_weight``, ``tis_clipfrac`` (TIS only): w, and 1 where exp(old − rollout) > C
 
     On the first update of a rollout (logp == old_logp) r is exactly 1,
     ppo_kl exactly 0 and clipfrac 0, at both levels.
@@ -107,16 +100,6 @@ def policy_loss(
         )
     if eps_clip_c is not None and not eps_clip_c > 1.0:
         raise ValueError(f"dual-clip eps_clip_c must be > 1; got {eps_clip_c}")
-    if tis_clip is not None:
-        if not tis_clip > 0.0:
-            raise ValueError(f"tis_clip must be > 0; got {tis_clip}")
-        if rollout_logp is None:
-            raise ValueError("tis_clip is set but rollout_logp is None; TIS needs both")
-        if rollout_logp.shape != logp.shape:
-            raise ValueError(
-                f"rollout_logp must be [B, T] like logp {tuple(logp.shape)}; "
-                f"got {tuple(rollout_logp.shape)}"
-            )
 
     valid = mask.bool()
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -157,14 +140,6 @@ def policy_loss(
         dual = (adv < 0) & (loss > cap)
         loss = torch.where(dual, cap, loss)
         metrics["dual_clipfrac"] = dual.to(logp.dtype)
-
-    if rollout_logp is not None and tis_clip is not None:
-        tis_log = (old_logp - _masked(rollout_logp.detach())).clamp(max=_MAX_LOG_RATIO)
-        raw = torch.exp(tis_log)
-        weight = raw.clamp(max=tis_clip)
-        loss = loss * weight
-        metrics["tis_weight"] = weight
-        metrics["tis_clipfrac"] = (raw > tis_clip).to(logp.dtype)
 
     # The loss is already 0 at masked positions (A was zeroed there, so every
     # branch is 0); metrics such as ratio are not, hence the mask.

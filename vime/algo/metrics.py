@@ -10,6 +10,8 @@ the mean of means of unequal parts is not the mean of the whole.
 
 Sums are float64 tensors kept on the device of the values, so adding a
 micro-batch never forces a device sync; only ``means()`` reads them back.
+A metric may instead be a maximum (``add_max``): merged and reduced by max,
+reported as is.
 """
 
 from __future__ import annotations
@@ -25,15 +27,17 @@ class MetricAccumulator:
     - ``add_tokens(name, v[B, T], m)``: S += Σ v·m,  W += Σ m      (token-weighted)
     - ``add_samples(name, v[B], w)``:  S += Σ v·w,  W += Σ w      (w defaults to 1)
     - ``add(name, total, weight)``:    S += total,  W += weight
-    - ``merge(other)``: adds other's S and W name by name.
+    - ``add_max(name, v[B, T], m)``: M = max(M, max of v where m > 0)
+    - ``merge(other)``: adds other's S and W name by name, and takes the larger M.
 
-    A name whose total weight is 0 (e.g. only empty masks were added) is
-    omitted from ``means()``: "no data" is not a measured 0.
+    A name whose total weight is 0 (e.g. only empty masks were added), or a maximum
+    over nothing, is omitted from ``means()``: "no data" is not a measured 0.
     """
 
     def __init__(self) -> None:
         self._sums: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
+        self._maxes: dict[str, torch.Tensor] = {}  # -inf: nothing measured yet
 
     def add(self, name: str, total: Number, weight: Number) -> None:
         """S[name] += total, W[name] += weight."""
@@ -58,6 +62,25 @@ class MetricAccumulator:
         v = torch.where(m > 0, values.detach().to(torch.float64), 0.0)
         self.add(name, (v * m).sum(), m.sum())
 
+    def add_max(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """M[name] = max(M[name], max of ``values`` where ``mask`` > 0) over ``[B, T]``."""
+        if values.shape != mask.shape:
+            raise ValueError(
+                f"values and mask shapes differ: {tuple(values.shape)} vs {tuple(mask.shape)}"
+            )
+        v = values.detach().to(torch.float64)
+        top = torch.where(mask.detach() > 0, v, float("-inf")).amax() if v.numel() else None
+        self._merge_max(
+            name, torch.tensor(float("-inf"), dtype=torch.float64) if top is None else top
+        )
+
+    def _merge_max(self, name: str, value: torch.Tensor) -> None:
+        if name in self._maxes:
+            old = self._maxes[name]
+            self._maxes[name] = torch.maximum(old, value.to(old.device))
+        else:
+            self._maxes[name] = value.detach().to(torch.float64)
+
     def add_samples(
         self, name: str, values: torch.Tensor, weights: torch.Tensor | None = None
     ) -> None:
@@ -75,9 +98,12 @@ class MetricAccumulator:
         """Add every (S, W) of ``other`` into this one; returns self."""
         for name in other._sums:
             self.add(name, other._sums[name], other._weights[name])
+        for name, value in other._maxes.items():
+            self._merge_max(name, value)
         return self
 
     def names(self) -> list[str]:
+        """The weighted-mean names (``to_tensor``'s layout); maxima are not among them."""
         return sorted(self._sums)
 
     def means(self, empty: float | None = None) -> dict[str, float]:
@@ -92,13 +118,20 @@ class MetricAccumulator:
                 out[name] = s / w
             elif empty is not None:
                 out[name] = empty
+        for name, value in sorted(self._maxes.items()):
+            top = float(value)
+            if top != float("-inf"):
+                out[name] = top
+            elif empty is not None:
+                out[name] = empty
         return out
 
     def to_tensor(self, device: torch.device | str | None = None) -> tuple[list[str], torch.Tensor]:
         """Pack as ``(names, t)``, names sorted, t = [S₀ … S_{N−1}, W₀ … W_{N−1}] float64.
 
         ``all_reduce(t, SUM)`` over ranks then :meth:`from_tensor` gives the
-        global accumulator. Every rank must hold the same names (the same code
+        global accumulator of the weighted means (maxima are not in it: ``all_reduce``
+        reduces those). Every rank must hold the same names (the same code
         path adds the same metrics; an empty mask still registers its name).
         ``device`` defaults to the device of the first metric (CPU if none).
         """
@@ -124,18 +157,26 @@ class MetricAccumulator:
         """
         import torch.distributed as dist
 
-        gathered: list[list[str] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, self.names(), group=group)
-        names = sorted({name for part in gathered for name in part or ()})
+        gathered: list[tuple[list[str], list[str]] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (self.names(), sorted(self._maxes)), group=group)
+        names = sorted({name for part in gathered if part for name in part[0]})
+        max_names = sorted({name for part in gathered if part for name in part[1]})
         device = torch.device("cpu")
         zero = torch.zeros((), dtype=torch.float64, device=device)
-        sums = [self._sums.get(n, zero).to(device) for n in names]
-        weights = [self._weights.get(n, zero).to(device) for n in names]
-        if not names:
-            return MetricAccumulator()
-        packed = torch.stack(sums + weights)
-        dist.all_reduce(packed, group=group)
-        return MetricAccumulator.from_tensor(names, packed)
+        out = MetricAccumulator()
+        if names:
+            sums = [self._sums.get(n, zero).to(device) for n in names]
+            weights = [self._weights.get(n, zero).to(device) for n in names]
+            packed = torch.stack(sums + weights)
+            dist.all_reduce(packed, group=group)
+            out = MetricAccumulator.from_tensor(names, packed)
+        if max_names:
+            low = torch.tensor(float("-inf"), dtype=torch.float64)
+            tops = torch.stack([self._maxes.get(n, low).to(device) for n in max_names])
+            dist.all_reduce(tops, op=dist.ReduceOp.MAX, group=group)
+            for name, top in zip(max_names, tops, strict=True):
+                out._merge_max(name, top.clone())
+        return out
 
     @classmethod
     def from_tensor(cls, names: list[str], tensor: torch.Tensor) -> MetricAccumulator:

@@ -7,11 +7,13 @@ megatron backends compute the same number from the same log-probs.
 
 Per token, with m the loss mask:
 
-    ℓ = policy_loss(logp, old_logp, A) + kl_coef · kl(logp, ref_logp) − entropy_coef · H
+    ℓ = w · policy_loss(logp, old_logp, A) + kl_coef · kl(logp, ref_logp) − entropy_coef · H
 
-and the micro-batch loss is ``aggregate_loss(ℓ, m, mode, **step normalizers)``.
-Because the normalizers are the optimizer step's global counts, summing these
-losses over micro-batches and data-parallel ranks gives the step's loss.
+with w the rollout correction's weight (``vime.algo.correction``; 1 when off),
+and the micro-batch loss is ``aggregate_loss(ℓ, m, mode, **step normalizers)``
+(plus Dr. GRPO's constant ``norm_len``). Because the normalizers are the
+optimizer step's global counts, summing these losses over micro-batches and
+data-parallel ranks gives the step's loss.
 """
 
 from __future__ import annotations
@@ -23,41 +25,56 @@ from typing import Any
 import torch
 
 from vime.algo.aggregation import aggregate_loss
+from vime.algo.correction import RolloutCorrection, correction_weights
+from vime.algo.custom import load_function
 from vime.algo.losses import kl_penalty, policy_loss
 from vime.algo.metrics import MetricAccumulator
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The loss settings of a run (read from the parsed flags by ``from_args``)."""
+    """The loss settings of a run, built once from the parsed flags by ``from_args``.
+
+    ``correction`` is the rollout correction (``--use-tis``; None: off); ``norm_len``
+    the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO).
+    """
 
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     eps_clip_c: float | None = None
     level: str = "token"
-    use_tis: bool = False
-    tis_clip: float = 2.0
+    correction: RolloutCorrection | None = None
     use_kl: bool = False
     kl_coef: float = 0.0
     kl_type: str = "low_var_kl"
     entropy_coef: float = 0.0
     agg_mode: str = "token-mean"
+    norm_len: int | None = None
     policy_loss_fn: Callable[..., Any] = field(default=policy_loss, compare=False)
 
     @classmethod
-    def from_args(cls, args: Any, policy_loss_fn: Callable[..., Any] = policy_loss) -> LossConfig:
+    def from_args(cls, args: Any) -> LossConfig:
+        """The settings the parsed flags ask for, the custom policy loss imported."""
+        policy_loss_fn = policy_loss
+        if args.custom_loss_function_path:
+            policy_loss_fn = load_function(args.custom_loss_function_path, expected=policy_loss)
+        correction = None
+        if args.use_tis:
+            correction = RolloutCorrection(
+                level=args.tis_level, mode=args.tis_mode, high=args.tis_clip, low=args.tis_clip_low
+            )
         return cls(
             eps_clip=args.eps_clip,
             eps_clip_high=args.eps_clip_high,
             eps_clip_c=args.eps_clip_c,
             level=args.policy_loss_level,
-            use_tis=args.use_tis,
-            tis_clip=args.tis_clip,
+            correction=correction,
             use_kl=args.use_kl_loss,
             kl_coef=args.kl_loss_coef,
             kl_type=args.kl_loss_type or "low_var_kl",
             entropy_coef=args.entropy_coef,
             agg_mode=args.loss_agg_mode,
+            norm_len=args.loss_agg_norm_len or args.rollout_max_response_len,
             policy_loss_fn=policy_loss_fn,
         )
 
@@ -68,7 +85,6 @@ class Normalizers:
 
     num_tokens: int
     num_samples: int
-    max_response_len: int
 
 
 def micro_batch_loss(
@@ -86,12 +102,12 @@ def micro_batch_loss(
     """Loss of one micro-batch (to backpropagate as is) and its token-weighted metrics.
 
     ``old_logp`` None means π_old = π (one update per rollout): the ratio is
-    then exactly 1. ``entropy`` is needed when ``config.entropy_coef`` > 0
-    (with grad) and is reported whenever given. Every metric name is added on
+    then exactly 1. ``rollout_logp`` (the engine's) is required when
+    ``config.correction`` is set. ``entropy`` is needed when ``config.entropy_coef``
+    > 0 (with grad) and is reported whenever given. Every metric name is added on
     every call, so all ranks reduce the same layout.
     """
     old = logp.detach() if old_logp is None else old_logp
-    tis = config.use_tis and rollout_logp is not None
     per_token, stats = config.policy_loss_fn(
         logp,
         old,
@@ -101,10 +117,20 @@ def micro_batch_loss(
         eps_clip_high=config.eps_clip_high,
         eps_clip_c=config.eps_clip_c,
         level=config.level,
-        rollout_logp=rollout_logp if tis else None,
-        tis_clip=config.tis_clip if tis else None,
     )
     metrics = MetricAccumulator()
+    if config.correction is not None:
+        if rollout_logp is None:
+            raise ValueError(
+                "--use-tis needs the rollout engine's log-probs, and this batch carries none"
+            )
+        weight, correction = correction_weights(old, rollout_logp, mask, config.correction)
+        per_token = per_token * weight
+        metrics.add_tokens("tis_weight_mean", weight, mask)
+        metrics.add_tokens("tis_ratio_mean", correction["ratio"], mask)
+        metrics.add_max("tis_ratio_max", correction["ratio"], mask)
+        flag = "truncated" if config.correction.mode == "truncate" else "masked"
+        metrics.add_tokens(f"tis_{flag}_frac", correction[flag], mask)
     metrics.add_tokens("pg_loss", per_token.detach(), mask)
     total = per_token
     if config.use_kl:
@@ -132,6 +158,6 @@ def micro_batch_loss(
         config.agg_mode,
         num_tokens=norm.num_tokens,
         num_seqs=norm.num_samples,
-        max_len=norm.max_response_len,
+        norm_len=config.norm_len,
     )
     return loss, metrics

@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from vime import checkpoint
 from vime import device as vime_device
-from vime.algo import load_function, policy_loss
 from vime.algo.metrics import MetricAccumulator
 from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
 from vime.backends.base import TRAIN_MEMORY_TAGS, TrainActor, train_tags
@@ -129,10 +128,7 @@ class PolicyTrainActor(TrainActor):
             warmup_samples=args.lr_warmup_samples,
             total_samples=(args.num_rollout or 1) * samples_per_rollout,
         )
-        loss_fn = policy_loss
-        if args.custom_loss_function_path:
-            loss_fn = load_function(args.custom_loss_function_path, expected=policy_loss)
-        self.loss_config = LossConfig.from_args(args, loss_fn)
+        self.loss_config = LossConfig.from_args(args)
         self.samples_consumed = 0
         self.optimizer_steps = 0
         self.skipped_steps = 0
@@ -306,7 +302,7 @@ class PolicyTrainActor(TrainActor):
         """
         batch = schedule.batch
         step = schedule.plan.steps[step_index]
-        norm = Normalizers(step.num_tokens, step.num_samples, step.max_response_len)
+        norm = Normalizers(step.num_tokens, step.num_samples)
         step_loss = 0.0
 
         def loss_of(

@@ -23,6 +23,8 @@ AGGREGATION_MODES = (
     "seq-mean-token-sum-norm",
 )
 POLICY_LOSS_LEVELS = ("token", "sequence")
+CORRECTION_LEVELS = ("token", "sequence")
+CORRECTION_MODES = ("truncate", "mask")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RM_TYPES = ("math", "exact", "builtin")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "object-store", "broadcast", "cuda-ipc", "disk")
@@ -155,6 +157,14 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
         "--dynamic-sampling-filter",
         action="store_true",
         help="drop groups whose rewards all agree; sample more prompts until the batch is full",
+    )
+    p.add_argument(
+        "--over-sampling-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="with --dynamic-sampling-filter, a round asks for ceil(F x the missing groups) "
+        "and keeps the first that pass (default 1.5)",
     )
     p.add_argument(
         "--dynamic-sampling-max-rounds",
@@ -297,11 +307,47 @@ def _algorithm(p: argparse._ArgumentGroup) -> None:
         help="how per-token losses become one number",
     )
     p.add_argument(
+        "--loss-agg-norm-len",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="the constant length seq-mean-token-sum-norm (Dr. GRPO) divides by, with the "
+        "number of sequences (default --rollout-max-response-len)",
+    )
+    p.add_argument(
         "--use-tis",
         action="store_true",
-        help="truncated importance sampling against the engine's log-probs",
+        help="rollout correction: weight each token's policy loss by exp(old - rollout "
+        "log-prob), truncated or masked (--tis-level, --tis-mode, --tis-clip, --tis-clip-low)",
     )
-    p.add_argument("--tis-clip", type=float, default=2.0, help="upper bound of the TIS weight")
+    p.add_argument(
+        "--tis-level",
+        choices=CORRECTION_LEVELS,
+        default=None,
+        help="token: a weight per token; sequence: the geometric mean of a sequence's token "
+        "weights, for all its tokens (default token)",
+    )
+    p.add_argument(
+        "--tis-mode",
+        choices=CORRECTION_MODES,
+        default=None,
+        help="truncate: weights above --tis-clip are cut to it; mask: tokens (sequences) whose "
+        "weight is outside [--tis-clip-low, --tis-clip] leave the loss (default truncate)",
+    )
+    p.add_argument(
+        "--tis-clip",
+        type=float,
+        default=None,
+        metavar="HIGH",
+        help="upper bound of the rollout-correction weight (default 2.0)",
+    )
+    p.add_argument(
+        "--tis-clip-low",
+        type=float,
+        default=None,
+        metavar="LOW",
+        help="lower bound of the weight in --tis-mode mask (default 1 / --tis-clip)",
+    )
     p.add_argument(
         "--global-batch-size",
         type=positive_int,
@@ -396,6 +442,23 @@ def _checkpoint(p: argparse._ArgumentGroup) -> None:
     )
 
 
+def rollout_ids(text: str) -> tuple[int, ...]:
+    """``"1"``, ``"2,5"``, ``"3-4"``, ``"1,3-5"``: the sorted rollout ids named."""
+    ids: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high if dash else low)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give rollout ids (from 0) as N, A,B or A-B"
+            ) from None
+        if first < 0 or last < first:
+            raise argparse.ArgumentTypeError(f"{text!r}: {part.strip()} is not a range of ids >= 0")
+        ids.update(range(first, last + 1))
+    return tuple(sorted(ids))
+
+
 def _logging(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--output-dir",
@@ -406,6 +469,14 @@ def _logging(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--use-tensorboard", action="store_true", help="write TensorBoard events")
     p.add_argument("--use-wandb", action="store_true", help="log to Weights & Biases")
     p.add_argument("--wandb-project", default="vime", help="W&B project name")
+    p.add_argument(
+        "--profile-rollouts",
+        type=rollout_ids,
+        default=(),
+        metavar="IDS",
+        help="write OUTPUT_DIR/trace.json (Perfetto / chrome://tracing) of these rollouts: "
+        "ids as in metrics.jsonl (from 0), e.g. 1, 2,5 or 3-4",
+    )
 
 
 def _model(p: argparse._ArgumentGroup) -> None:

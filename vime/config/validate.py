@@ -38,11 +38,13 @@ def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
     _check_engine(args)
     _check_batches(args)
     _check_sampling(args)
+    _check_dynamic_sampling(args)
     _check_algorithm(args)
     _check_custom_functions(args)
     _check_rewards(args)
     _check_optimizer(args)
     _check_checkpointing(args)
+    _check_logging(args)
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -286,6 +288,21 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(f"--rollout-gpu-memory-utilization must be in (0, 1], got {share}")
 
 
+def _check_dynamic_sampling(args: argparse.Namespace) -> None:
+    factor = args.over_sampling_factor
+    if not args.dynamic_sampling_filter:
+        if factor is not None:
+            raise ConfigError("--over-sampling-factor needs --dynamic-sampling-filter")
+        return
+    if factor is None:
+        args.over_sampling_factor = 1.5
+    elif not (factor >= 1 and factor < float("inf")):
+        raise ConfigError(
+            f"--over-sampling-factor must be >= 1 (a round asks for at least the missing "
+            f"groups), got {factor}"
+        )
+
+
 def _check_algorithm(args: argparse.Namespace) -> None:
     if not 0 < args.eps_clip < 1:
         raise ConfigError(f"--eps-clip must be in (0, 1), got {args.eps_clip}")
@@ -293,8 +310,12 @@ def _check_algorithm(args: argparse.Namespace) -> None:
         raise ConfigError(f"--eps-clip-high must be > 0, got {args.eps_clip_high}")
     if args.eps_clip_c is not None and not args.eps_clip_c > 1:
         raise ConfigError(f"--eps-clip-c (dual clip) must be > 1, got {args.eps_clip_c}")
-    if args.use_tis and not args.tis_clip > 0:
-        raise ConfigError(f"--tis-clip must be > 0, got {args.tis_clip}")
+    _check_correction(args)
+    if args.loss_agg_norm_len is not None and args.loss_agg_mode != "seq-mean-token-sum-norm":
+        raise ConfigError(
+            f"--loss-agg-norm-len applies only to --loss-agg-mode seq-mean-token-sum-norm "
+            f"(this run uses {args.loss_agg_mode})"
+        )
     if args.kl_loss_type is not None and not args.use_kl_loss:
         raise ConfigError(f"--kl-loss-type {args.kl_loss_type} needs --use-kl-loss")
     if args.kl_loss_coef < 0:
@@ -305,6 +326,41 @@ def _check_algorithm(args: argparse.Namespace) -> None:
         args.kl_loss_type = "low_var_kl"
     if args.entropy_coef < 0:
         raise ConfigError(f"--entropy-coef must be >= 0, got {args.entropy_coef}")
+
+
+def _check_correction(args: argparse.Namespace) -> None:
+    """The rollout correction's flags: each needs --use-tis, and the bounds must make sense;
+    the defaults (token, truncate, 2.0) are filled in once here."""
+    given = [
+        flag
+        for flag, value in (
+            ("--tis-level", args.tis_level),
+            ("--tis-mode", args.tis_mode),
+            ("--tis-clip", args.tis_clip),
+            ("--tis-clip-low", args.tis_clip_low),
+        )
+        if value is not None
+    ]
+    if not args.use_tis:
+        if given:
+            raise ConfigError(f"{given[0]} needs --use-tis (the rollout correction is off)")
+        return
+    args.tis_level = args.tis_level or "token"
+    args.tis_mode = args.tis_mode or "truncate"
+    args.tis_clip = 2.0 if args.tis_clip is None else args.tis_clip
+    if not args.tis_clip > 0:
+        raise ConfigError(f"--tis-clip must be > 0, got {args.tis_clip}")
+    low = args.tis_clip_low
+    if low is not None:
+        if args.tis_mode != "mask":
+            raise ConfigError(
+                "--tis-clip-low applies only to --tis-mode mask (truncate only cuts weights "
+                "above --tis-clip)"
+            )
+        if not 0 <= low < args.tis_clip:
+            raise ConfigError(
+                f"--tis-clip-low must be in [0, --tis-clip={args.tis_clip}), got {low}"
+            )
 
 
 def _check_custom_functions(args: argparse.Namespace) -> None:
@@ -356,3 +412,12 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.keep_last_checkpoints is not None and args.save is None:
         raise ConfigError("--keep-last-checkpoints needs --save DIR")
+
+
+def _check_logging(args: argparse.Namespace) -> None:
+    profiled = getattr(args, "profile_rollouts", ())
+    if profiled and args.num_rollout is not None and profiled[-1] >= args.num_rollout:
+        raise ConfigError(
+            f"--profile-rollouts names rollout {profiled[-1]}, and the run has "
+            f"{args.num_rollout} (ids 0-{args.num_rollout - 1}, as in metrics.jsonl)"
+        )

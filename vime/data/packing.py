@@ -30,7 +30,7 @@ The loss contract (why the step carries *global* normalizers): every
 micro-batch's loss is ::
 
     aggregate_loss(values, mask, mode, num_tokens=step.num_tokens,
-                   num_seqs=step.num_samples, max_len=step.max_response_len)
+                   num_seqs=step.num_samples, norm_len=<the run's constant>)
 
 and its backward accumulates into the gradient. The backend must **sum** (not
 average) the gradients over DP ranks (i.e. undo FSDP/DDP's default 1/dp
@@ -57,16 +57,15 @@ RankSchedule = tuple[MicroBatch, ...]
 class StepPlan:
     """One optimizer step: ``micro_batches[dp_rank][micro][position] -> sample index``.
 
-    ``num_tokens``, ``num_samples`` and ``max_response_len`` are the step's
-    global loss normalizers (over all ranks and micro-batches): Σ loss_lengths,
-    the count of samples with loss_lengths > 0, and max loss_lengths.
+    ``num_tokens`` and ``num_samples`` are the step's global loss normalizers
+    (over all ranks and micro-batches): Σ loss_lengths and the count of samples
+    with loss_lengths > 0.
     ``rank_tokens[r]`` is the total_lengths sum rank r forwards (for balance metrics).
     """
 
     micro_batches: tuple[RankSchedule, ...]
     num_tokens: int
     num_samples: int
-    max_response_len: int
     rank_tokens: tuple[int, ...]
 
     @property
@@ -152,7 +151,6 @@ def plan_rollout(
                 micro_batches=tuple(tuple(tuple(mb) for mb in rank) for rank in rows),
                 num_tokens=sum(loss_lengths[i] for i in indices),
                 num_samples=sum(1 for i in indices if loss_lengths[i] > 0),
-                max_response_len=max(loss_lengths[i] for i in indices),
                 rank_tokens=tuple(sum(total_lengths[i] for i in s) for s in shares),
             )
         )

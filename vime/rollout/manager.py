@@ -18,11 +18,14 @@ its group's mean over the rewards that did not fail (so the group mean is right,
 but a spread or a group size is the whole group's). A group with fewer than two
 rewards that did not fail carries no signal and counts as agreeing.
 
-Dynamic sampling (``--dynamic-sampling-filter``): each round draws as many new
-prompts as groups are still missing and drops the groups whose rewards all
-agree; after ``--dynamic-sampling-max-rounds`` rounds a short batch is filled
-with dropped groups (advantage 0), counted in ``rollout/groups_short``.
-``DataExhausted`` when the prompts run out before the batch is full.
+Dynamic sampling (``--dynamic-sampling-filter``): each round draws
+ceil(``--over-sampling-factor`` × the groups still missing) new prompts, drops
+the groups whose rewards all agree and keeps the first of the others, in prompt
+order, until the batch is full; passing groups beyond that are counted
+(``rollout/groups_surplus``) and not trained. After
+``--dynamic-sampling-max-rounds`` rounds a short batch is filled with dropped
+groups (advantage 0), counted in ``rollout/groups_short``. Every drawn prompt is
+consumed. ``DataExhausted`` when the prompts run out before the batch is full.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 
 from vime.algo import compute_advantages, load_function
+from vime.config.errors import ConfigError
 from vime.data.batch import RolloutBatch
 from vime.data.prompts import Prompt, PromptSource
 from vime.rollout.rewards import RewardInput, RewardScorer
@@ -104,7 +108,7 @@ class RolloutManager:
         start = time.perf_counter()
         kept: list[_Group] = []
         agreeing: list[_Group] = []
-        rounds = drawn = 0
+        rounds = drawn = surplus = 0
         generated_tokens = 0
         failures = 0
         while len(kept) < want:
@@ -114,7 +118,10 @@ class RolloutManager:
                 break
             if self.source.exhausted:
                 break
-            prompts = self.source.next_batch(want - len(kept))
+            missing = want - len(kept)
+            if args.dynamic_sampling_filter:
+                missing = math.ceil(missing * args.over_sampling_factor)
+            prompts = self.source.next_batch(missing)
             drawn += len(prompts)
             groups = self._sample(prompts, rollout_seed(args.seed, rollout_id, rounds))
             # The scorer describes its latest call only: report each round's failures.
@@ -128,8 +135,10 @@ class RolloutManager:
                 failures += sum(r is None for r in group.rewards)
                 if args.dynamic_sampling_filter and _all_agree(group.rewards):
                     agreeing.append(group)
-                else:
+                elif len(kept) < want:
                     kept.append(group)
+                else:
+                    surplus += 1
         # Short after the last round: fill with agreeing groups (advantage 0) so the batch
         # keeps the shape the plan expects; counted so the user sees it.
         short = want - len(kept)
@@ -144,6 +153,8 @@ class RolloutManager:
         metrics = {
             "rollout/reward_mean": _mean(rewards),
             "rollout/reward_std": _std(rewards),
+            "rollout/reward_min": min(rewards, default=math.nan),
+            "rollout/reward_max": max(rewards, default=math.nan),
             "rollout/response_len_mean": _mean(lengths),
             "rollout/truncated_frac": _mean(truncated),
             "rollout/reward_failures": float(failures),
@@ -154,6 +165,7 @@ class RolloutManager:
         if args.dynamic_sampling_filter:
             metrics["rollout/groups_filtered"] = float(len(agreeing) - max(0, short))
             metrics["rollout/groups_short"] = float(max(0, short))
+            metrics["rollout/groups_surplus"] = float(surplus)
         if self.is_correct is not None:
             metrics["rollout/accuracy"] = _mean(self._correct(kept))
         return batch, metrics
@@ -229,6 +241,12 @@ class RolloutManager:
         i = 0
         for group in groups:
             for completion, reward in zip(group.completions, group.rewards, strict=True):
+                if self.args.use_tis and len(completion.log_probs) != len(completion.response_ids):
+                    raise ConfigError(
+                        "--use-tis weights each token by the engine's log-prob, and the engine "
+                        f"returned {len(completion.log_probs)} log-probs for a response of "
+                        f"{len(completion.response_ids)} tokens; run without --use-tis"
+                    )
                 ok = reward is not None
                 tokens.append(group.prompt_ids + list(completion.response_ids))
                 prompt_lengths.append(len(group.prompt_ids))

@@ -1,0 +1,365 @@
+"""Every loss flag through real optimizer steps of both backends, against its definition.
+
+Proves, on a tiny random Qwen3 (CPU, fp32, gloo), for each loss flag -- the rollout
+correction (token / sequence level, truncate / mask), the asymmetric and the dual clip,
+GSPO, each KL estimator, the entropy bonus, a custom loss -- and each of the four
+aggregation modes: (a) the fsdp2 and megatron actors, fed the same packed micro-batches
+with the same stale π_old and engine log-probs, give the same loss, metrics and gradient
+norm, and the same weights after the optimizer step, flag after flag; (b) fsdp2's
+gradient equals the gradient of the objective written out here per sample and per token
+(unpacked HF forward, no vime code). And for every aggregation mode, DP 1 and DP 2 and
+four micro-batch geometries give the same gradient in both backends.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from actor_harness import VOCAB, make_batch, spawn
+from tiny_models import save_tiny, tiny_qwen3_config
+
+pytest.importorskip("megatron.core")
+
+from vime.algo.metrics import MetricAccumulator
+from vime.algo.objective import LossConfig
+from vime.config import parse_args
+from vime.data.batch import RolloutBatch, schedule
+
+CUSTOM_LOSS = """
+from vime.algo import policy_loss
+
+def scaled_loss(logp, old_logp, advantages, mask, **kw):
+    loss, stats = policy_loss(logp, old_logp, advantages, mask, **kw)
+    return 0.75 * loss, stats
+"""
+CUSTOM_SCALE = 0.75
+
+# The flags of each case, on top of BASE. Every case trains one optimizer step.
+CASES = {
+    "plain": [],
+    "tis-token-truncate": ["--use-tis", "--tis-clip", "1.5"],
+    "tis-token-mask": ["--use-tis", "--tis-mode", "mask", "--tis-clip", "1.5"],
+    "tis-sequence-truncate": ["--use-tis", "--tis-level", "sequence", "--tis-clip", "1.2"],
+    "tis-sequence-mask": [
+        *("--use-tis", "--tis-level", "sequence", "--tis-mode", "mask"),
+        *("--tis-clip", "1.6", "--tis-clip-low", "0.8"),
+    ],
+    "eps-clip-high": ["--eps-clip-high", "0.6"],
+    "dual-clip": ["--eps-clip-c", "1.5"],
+    "gspo": ["--policy-loss-level", "sequence", "--loss-agg-mode", "seq-mean-token-mean"],
+    **{
+        f"kl-{kind}": ["--use-kl-loss", "--kl-loss-coef", "0.5", "--kl-loss-type", kind]
+        for kind in ("k1", "k2", "k3", "low_var_kl")
+    },
+    "entropy": ["--entropy-coef", "0.05"],
+    "custom": ["--custom-loss-function-path", "CUSTOM"],
+    **{
+        f"agg-{mode}": ["--loss-agg-mode", mode, "--use-tis", "--entropy-coef", "0.05"]
+        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+    },
+    "agg-dr-grpo": ["--loss-agg-mode", "seq-mean-token-sum-norm", "--loss-agg-norm-len", "12"],
+}
+FIELDS = ("tokens", "prompt_lengths", "loss_masks", "advantages")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+GEOMETRIES = ({"micro_batch_size": 1}, {"micro_batch_size": 2}, {"micro_batch_size": 4},
+              {"max_tokens_per_gpu": 16})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    return save_tiny(tmp_path_factory.mktemp("tiny_qwen3_losses"), tiny_qwen3_config(VOCAB), 0)
+
+
+@pytest.fixture(scope="module")
+def custom_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("custom_loss") / "scaled.py"
+    path.write_text(CUSTOM_LOSS)
+    return f"{path}:scaled_loss"
+
+
+def _base(hf: str, world: int, backend: str) -> list[str]:
+    flags = ["--train-backend", backend, "--hf-checkpoint", hf]
+    flags += ["--actor-num-gpus-per-node", str(world), "--rollout-batch-size", "4"]
+    flags += ["--n-samples-per-prompt", "2", "--global-batch-size", "8", "--micro-batch-size", "2"]
+    # --use-kl-loss at start-up keeps the reference model, which the KL cases need.
+    flags += ["--lr", "1e-3", "--weight-decay", "0.1", "--use-kl-loss"]
+    return flags
+
+
+def _stale_batch(current: dict[int, torch.Tensor] | None = None):
+    """Rollout 1 of the harness with engine log-probs, and a π_old a few steps stale.
+
+    π_old is ``current`` (the actor's log-probs now; default ≈ −ln 64, what the tiny
+    random model gives every token) plus noise, and the engine's log-probs are π_old
+    plus a per-sequence offset and noise: ratios on both sides of every bound."""
+    batch = make_batch(1)
+    gen = torch.Generator().manual_seed(11)
+    old, rollout = {}, []
+    for i, mask in enumerate(batch.loss_masks):
+        n = len(mask)
+        now = torch.full((n,), -math.log(VOCAB)) if current is None else current[i]
+        old[i] = now + 0.5 * torch.randn(n, generator=gen)
+        offset = 0.9 * (i % 4 - 1.5) / 1.5  # whole sequences past 1.6 and below 0.8
+        rollout.append((old[i] + offset + 0.3 * torch.randn(n, generator=gen)).tolist())
+    stale = RolloutBatch(
+        batch.tokens, batch.prompt_lengths, batch.loss_masks, batch.advantages, rollout
+    )
+    return stale, old
+
+
+def _flags_of(case: list[str], custom: str) -> list[str]:
+    return [custom if flag == "CUSTOM" else flag for flag in case]
+
+
+def _grads(actor) -> dict[str, torch.Tensor] | None:
+    """Full gradients in HF names (fsdp2 only: megatron's are checked through the norm)."""
+    if actor.backend_name != "fsdp2":
+        return None
+    return {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+
+
+def _full_weights(actor) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for bucket in actor.weight_buckets(1 << 16) for n, t in bucket}
+
+
+def _clear_grads(actor) -> None:
+    for param in actor.trained_params:
+        param.grad = None
+
+
+def _step(actor, sched, step_index: int, old) -> dict:
+    """One step's backward on every rank: loss (summed over DP), metrics, norm, grads."""
+    import torch.distributed as dist
+
+    ref = actor.compute_log_probs(sched, "ref") if actor.loss_config.use_kl else None
+    metrics = MetricAccumulator()
+    loss = torch.tensor(actor.backward_step(sched, step_index, metrics, ref=ref, old=old))
+    dist.all_reduce(loss)
+    return {
+        "loss": float(loss),
+        "metrics": metrics.all_reduce().means(),
+        "grad_norm": float(actor.grad_norm()),
+        "grads": _grads(actor),
+    }
+
+
+def scenario_cases(actor, args, cases: dict, custom: str) -> dict:
+    """Each case: swap in its loss settings, one step's backward, the optimizer step. π_old
+    is drawn around the actor's log-probs of the moment, so every case is as stale."""
+    out = {}
+    for name, case in cases.items():
+        flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
+        actor.loss_config = LossConfig.from_args(parse_args(flags + _flags_of(case, custom)))
+        fresh = schedule(
+            make_batch(1), global_batch_size=8, dp_size=actor.world, micro_batch_size=2
+        )
+        batch, old = _stale_batch(actor.compute_log_probs(fresh, "actor"))
+        sched = schedule(batch, global_batch_size=8, dp_size=actor.world, micro_batch_size=2)
+        before = _full_weights(actor)
+        result = _step(actor, sched, 0, old)
+        actor._optimizer_step(8)
+        out[name] = {**result, "before": before, "after": _full_weights(actor), "old": old}
+        out[name]["rollout"] = batch.rollout_log_probs
+    return out
+
+
+def scenario_geometry(actor, args, cases: dict, custom: str) -> dict:
+    """Per aggregation mode and micro-batch geometry, both steps' gradients (no update)."""
+    batch, old = _stale_batch()
+    out = {}
+    for mode in AGG_MODES:
+        flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
+        flags += ["--loss-agg-mode", mode, "--use-tis", "--entropy-coef", "0.05"]
+        actor.loss_config = LossConfig.from_args(parse_args(flags))
+        for k, geometry in enumerate(GEOMETRIES):
+            sched = schedule(batch, global_batch_size=4, dp_size=actor.world, **geometry)
+            for step in range(2):
+                out[mode, k, step] = _step(actor, sched, step, old)
+                _clear_grads(actor)
+    return out
+
+
+SCENARIOS = {"cases": scenario_cases, "geometry": scenario_geometry}
+
+
+def _job(rank: int, world: int, backend: str, scenario: str, args, cases, custom) -> dict:
+    if backend == "megatron":
+        from vime.backends.megatron.actor import MegatronActor
+
+        actor = MegatronActor()
+    else:
+        from vime.backends.fsdp2.actor import FSDP2Actor
+
+        actor = FSDP2Actor()
+    actor.init(args)
+    return SCENARIOS[scenario](actor, args, cases, custom)
+
+
+_RUNS: dict[tuple, dict] = {}
+
+
+def _run(hf: str, backend: str, scenario: str, world: int, custom: str, tmp_path: Path) -> dict:
+    key = (hf, backend, scenario, world)
+    if key not in _RUNS:
+        args = parse_args(_base(hf, world, backend))
+        _RUNS[key] = spawn(_job, world, tmp_path, backend, scenario, args, CASES, custom)
+    return _RUNS[key]
+
+
+# ----- the objective, written out per sample and per token ---------------------------------
+
+
+def _reference_loss(model, ref_model, batch: RolloutBatch, old, flags) -> torch.Tensor:
+    """The step's loss from its definition (README and the vime.algo docstrings), one
+    unpacked sample at a time; ``flags`` is the case's parsed configuration."""
+    eps_lo = flags.eps_clip
+    eps_hi = flags.eps_clip if flags.eps_clip_high is None else flags.eps_clip_high
+    scale = CUSTOM_SCALE if flags.custom_loss_function_path else 1.0
+    masks = [torch.tensor(m, dtype=torch.float32) for m in batch.loss_masks]
+    num_tokens = sum(float(m.sum()) for m in masks)
+    num_seqs = sum(1 for m in masks if m.sum() > 0)
+    total = torch.zeros(())
+    for i in range(len(batch)):
+        ids = torch.tensor([batch.tokens[i]])
+        p = batch.prompt_lengths[i]
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, p - 1 : -1].float(), -1)
+        logp = logprobs.gather(1, ids[0, p:, None])[:, 0]
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+        with torch.no_grad():
+            ref_all = torch.log_softmax(ref_model(input_ids=ids).logits[0, p - 1 : -1], -1)
+            ref = ref_all.gather(1, ids[0, p:, None])[:, 0]
+        m, a = masks[i], batch.advantages[i]
+        if m.sum() == 0:
+            continue
+        tokens = [t for t in range(len(m)) if m[t] > 0]
+        rollout = torch.tensor(batch.rollout_log_probs[i])
+        # Rollout correction weight per token (detached numbers).
+        w = [1.0] * len(m)
+        if flags.use_tis:
+            deltas = [float(old[i][t] - rollout[t]) for t in range(len(m))]
+            seq = math.exp(sum(deltas[t] for t in tokens) / len(tokens))
+            low = 1 / flags.tis_clip if flags.tis_clip_low is None else flags.tis_clip_low
+            for t in tokens:
+                rho = seq if flags.tis_level == "sequence" else math.exp(deltas[t])
+                if flags.tis_mode == "truncate":
+                    w[t] = min(rho, flags.tis_clip)
+                else:
+                    w[t] = rho if low <= rho <= flags.tis_clip else 0.0
+        per_token = []
+        if flags.policy_loss_level == "sequence":  # GSPO's sequence objective, spread evenly
+            s = torch.exp(sum(logp[t] - old[i][t] for t in tokens) / len(tokens))
+            seq_loss = torch.maximum(-a * s, -a * s.clamp(1 - eps_lo, 1 + eps_hi))
+            pg = {t: seq_loss for t in tokens}
+        else:
+            pg = {}
+            for t in tokens:
+                r = torch.exp(logp[t] - old[i][t])
+                pg[t] = torch.maximum(-a * r, -a * r.clamp(1 - eps_lo, 1 + eps_hi))
+                if flags.eps_clip_c is not None and a < 0:
+                    pg[t] = torch.minimum(pg[t], torch.tensor(-a * flags.eps_clip_c))
+        for t in tokens:
+            value = scale * w[t] * pg[t] - flags.entropy_coef * entropy[t]
+            if flags.kl_loss_coef > 0:
+                d = logp[t] - ref[t]
+                k3 = torch.exp(-d) + d - 1
+                kl = {"k1": d, "k2": 0.5 * d * d, "k3": k3, "low_var_kl": k3.clamp(-10, 10)}
+                value = value + flags.kl_loss_coef * kl[flags.kl_loss_type]
+            per_token.append(value)
+        sample_sum = sum(per_token)
+        mode = flags.loss_agg_mode
+        if mode == "token-mean":
+            total = total + sample_sum / num_tokens
+        elif mode == "seq-mean-token-mean":
+            total = total + sample_sum / len(tokens) / num_seqs
+        elif mode == "seq-mean-token-sum":
+            total = total + sample_sum / num_seqs
+        else:
+            norm_len = flags.loss_agg_norm_len or flags.rollout_max_response_len
+            total = total + sample_sum / (num_seqs * norm_len)
+    return total
+
+
+def _reference_grads(hf: str, weights: dict, batch, old, flags) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    model.load_state_dict(weights, strict=True)
+    _reference_loss(model, ref_model, batch, old, flags).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _assert_same_step(mega: dict, fsdp: dict, case: str) -> None:
+    assert mega["loss"] == pytest.approx(fsdp["loss"], rel=1e-5, abs=1e-7), case
+    assert mega["grad_norm"] == pytest.approx(fsdp["grad_norm"], rel=1e-5), case
+    assert sorted(mega["metrics"]) == sorted(fsdp["metrics"]), case
+    for key, value in fsdp["metrics"].items():
+        assert mega["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (case, key)
+
+
+@pytest.mark.slow
+def test_each_loss_flag_aligned_and_equal_to_its_definition(hf_dir, custom_path, tmp_path):
+    fsdp = _run(hf_dir, "fsdp2", "cases", 1, custom_path, tmp_path)
+    mega = _run(hf_dir, "megatron", "cases", 1, custom_path, tmp_path)
+    for case, flags in CASES.items():
+        old = fsdp[case]["old"]
+        tokens = make_batch(1)  # with the engine's log-probs fsdp2 trained on
+        batch = RolloutBatch(*(getattr(tokens, f) for f in FIELDS), fsdp[case]["rollout"])
+        _assert_same_step(mega[case], fsdp[case], case)
+        # The same weights after each optimizer step (tolerance of the alignment test).
+        for name, weight in fsdp[case]["after"].items():
+            diff = (mega[case]["after"][name] - weight).abs()
+            assert diff.max() <= 5e-5, (case, name, float(diff.max()))
+        # fsdp2's gradient is the gradient of the objective as defined.
+        base = _base(hf_dir, 1, "fsdp2")
+        parsed = parse_args(base + _flags_of(flags, custom_path))
+        expected = _reference_grads(hf_dir, fsdp[case]["before"], batch, old, parsed)
+        for name, grad in expected.items():
+            torch.testing.assert_close(fsdp[case]["grads"][name], grad, rtol=1e-4, atol=1e-6)
+        if case != "plain":  # at these weights the flag changes the objective's gradient
+            plain = _reference_grads(hf_dir, fsdp[case]["before"], batch, old, parse_args(base))
+            moved = max(float((expected[n] - g).abs().max()) for n, g in plain.items())
+            size = max(float(g.abs().max()) for g in plain.values())
+            assert moved > 1e-5, (case, moved, size)
+    # The correction and clipping cases really sat on both sides of their bounds.
+    for case, key in (
+        ("tis-token-truncate", "tis_truncated_frac"),
+        ("tis-token-mask", "tis_masked_frac"),
+        ("tis-sequence-truncate", "tis_truncated_frac"),
+        ("tis-sequence-mask", "tis_masked_frac"),
+        ("eps-clip-high", "clipfrac"),
+    ):
+        assert 0 < fsdp[case]["metrics"][key] < 1, (case, key, fsdp[case]["metrics"][key])
+    assert fsdp["tis-token-truncate"]["metrics"]["tis_ratio_max"] > 1.5
+
+
+@pytest.mark.slow
+def test_every_aggregation_mode_is_free_of_dp_and_micro_batch_geometry(
+    hf_dir, custom_path, tmp_path
+):
+    runs = {
+        (backend, world): _run(hf_dir, backend, "geometry", world, custom_path, tmp_path)
+        for backend in ("fsdp2", "megatron")
+        for world in (1, 2)
+    }
+    reference = runs["fsdp2", 1]
+    for mode in AGG_MODES:
+        for step in range(2):
+            base = reference[mode, 0, step]
+            for (backend, world), run in runs.items():
+                for k in range(len(GEOMETRIES)):
+                    got = run[mode, k, step]
+                    where = (mode, step, backend, world, GEOMETRIES[k])
+                    assert got["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-7), where
+                    assert got["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5), where
+                    if got["grads"] is not None:
+                        for name, grad in base["grads"].items():
+                            torch.testing.assert_close(
+                                got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=str(where)
+                            )
+    # The four modes are four different objectives here (the comparison is not vacuous).
+    norms = {reference[mode, 0, 0]["grad_norm"] for mode in AGG_MODES}
+    assert len(norms) == 4

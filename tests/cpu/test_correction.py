@@ -1,0 +1,125 @@
+"""Rollout correction weights equal their definitions, token by token.
+
+Proves: for token and sequence level, truncate and mask mode, default and explicit
+lower bounds, the weights and the truncated / masked flags equal a brute-force loop
+over the docstring's formulas (float64); hand-computed cases; NaN or inf at padded
+positions stays out; bad settings raise one line each.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vime.algo.correction import RolloutCorrection, correction_weights
+
+D = torch.float64
+LN = math.log
+
+
+def _reference(old, roll, mask, correction: RolloutCorrection):
+    """The docstring's formulas, one token at a time."""
+    b, t = old.shape
+    weight = torch.zeros(b, t, dtype=D)
+    flag = torch.zeros(b, t, dtype=D)
+    low = 1 / correction.high if correction.low is None else correction.low
+    for i in range(b):
+        toks = [j for j in range(t) if mask[i, j] > 0]
+        deltas = {j: old[i, j].item() - roll[i, j].item() for j in toks}
+        seq = math.exp(sum(deltas.values()) / len(toks)) if toks else 0.0
+        for j in toks:
+            rho = seq if correction.level == "sequence" else math.exp(deltas[j])
+            if correction.mode == "truncate":
+                weight[i, j] = min(rho, correction.high)
+                flag[i, j] = float(rho > correction.high)
+            else:
+                keep = low <= rho <= correction.high
+                weight[i, j] = rho if keep else 0.0
+                flag[i, j] = float(not keep)
+    return weight, flag
+
+
+def _batch(seed: int, b: int = 6, t: int = 7):
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=gen, dtype=D) * 3
+    # Per-row offsets put whole sequences past 2 and below 1/2, the noise single tokens.
+    offset = torch.linspace(-1.2, 1.2, b, dtype=D)[:, None]
+    roll = old + offset + torch.randn(b, t, generator=gen, dtype=D) * 0.5
+    mask = torch.ones(b, t, dtype=D)
+    for i in range(b):
+        mask[i, t - 1 - i :] = 0  # ragged, the last row empty
+    return old, roll, mask
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize(("mode", "low"), [("truncate", None), ("mask", None), ("mask", 0.7)])
+def test_weights_match_bruteforce(level, mode, low):
+    old, roll, mask = _batch(seed=3)
+    correction = RolloutCorrection(level=level, mode=mode, high=1.6, low=low)
+    weight, stats = correction_weights(old, roll, mask, correction)
+    expected, flag = _reference(old, roll, mask, correction)
+    torch.testing.assert_close(weight, expected, rtol=1e-12, atol=1e-12)
+    name = "truncated" if mode == "truncate" else "masked"
+    assert torch.equal(stats[name], flag)
+    # The batch exercises both sides of the bound.
+    valid = mask > 0
+    assert 0 < flag[valid].sum() < valid.sum()
+
+
+def test_hand_computed():
+    old = torch.zeros(2, 2, dtype=D)
+    roll = torch.tensor([[-LN(1.5), -LN(3.0)], [-LN(0.25), 0.0]], dtype=D)
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=D)
+    token = correction_weights(old, roll, mask, RolloutCorrection(high=2.0))
+    # ratios 1.5, 3 (→ 2), 0.25; the padded token is 0
+    torch.testing.assert_close(token[0], torch.tensor([[1.5, 2.0], [0.25, 0.0]], dtype=D))
+    assert token[1]["truncated"].tolist() == [[0.0, 1.0], [0.0, 0.0]]
+    masked = correction_weights(old, roll, mask, RolloutCorrection(mode="mask", high=2.0))
+    # bounds [0.5, 2]: 1.5 kept, 3 and 0.25 leave
+    torch.testing.assert_close(masked[0], torch.tensor([[1.5, 0.0], [0.0, 0.0]], dtype=D))
+    assert masked[1]["masked"].tolist() == [[0.0, 1.0], [1.0, 0.0]]
+    seq = correction_weights(old, roll, mask, RolloutCorrection(level="sequence", high=5.0))
+    # row 0: exp((ln 1.5 + ln 3) / 2) = √4.5 on both tokens; row 1: 0.25 on its one token
+    torch.testing.assert_close(
+        seq[0], torch.tensor([[math.sqrt(4.5)] * 2, [0.25, 0.0]], dtype=D), rtol=1e-12, atol=0
+    )
+
+
+def test_garbage_at_padded_positions_stays_out():
+    old, roll, mask = _batch(seed=5)
+    pad = mask == 0
+    old = old.masked_fill(pad, float("nan"))
+    roll = roll.masked_fill(pad, float("inf"))
+    for level in ("token", "sequence"):
+        for mode in ("truncate", "mask"):
+            weight, stats = correction_weights(
+                old, roll, mask, RolloutCorrection(level=level, mode=mode)
+            )
+            assert torch.isfinite(weight).all() and torch.all(weight[pad] == 0)
+            for value in stats.values():
+                assert torch.isfinite(value).all() and torch.all(value[pad] == 0)
+
+
+def test_weights_are_detached():
+    old, roll, mask = _batch(seed=7)
+    old = old.clone().requires_grad_()
+    weight, _ = correction_weights(old, roll, mask, RolloutCorrection())
+    assert not weight.requires_grad
+
+
+def test_bad_settings_raise():
+    with pytest.raises(ValueError, match="unknown correction level 'seq'"):
+        RolloutCorrection(level="seq")
+    with pytest.raises(ValueError, match="unknown correction mode 'clip'"):
+        RolloutCorrection(mode="clip")
+    with pytest.raises(ValueError, match="upper bound must be > 0"):
+        RolloutCorrection(high=0.0)
+    with pytest.raises(ValueError, match="lower bound applies only to mask mode"):
+        RolloutCorrection(low=0.5)
+    with pytest.raises(ValueError, match="need 0 <= low < high"):
+        RolloutCorrection(mode="mask", high=2.0, low=2.0)
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"must all be \[B, T\]"):
+        correction_weights(x, torch.zeros(2, 4), x, RolloutCorrection())

@@ -1,0 +1,242 @@
+"""From flags to the micro-batch loss: every loss flag reaches it, and the loss is its definition.
+
+Proves: each loss flag of the algorithm group changes ``LossConfig.from_args`` and the
+loss or gradient ``micro_batch_loss`` computes from the same log-probs (a flag parsed but
+never reaching the loss fails here), and every algorithm flag is either such a flag or
+named as acting elsewhere; the loss with rollout correction, KL and entropy equals a
+plain per-token computation, with the correction weighting only the policy term and
+its metrics reported; ``--use-tis`` without the engine's log-probs stops with one line;
+Dr. GRPO's normalizer is the run's constant, not the step's longest response.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from vime.algo import policy_loss
+from vime.algo.correction import RolloutCorrection
+from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
+from vime.config import flags, parse_args
+
+D = torch.float64
+CUSTOM = f"{__file__}:halved_loss"
+
+
+def halved_loss(logp, old_logp, advantages, mask, **kw):
+    """A custom policy loss (``--custom-loss-function-path``): half the built-in."""
+    loss, stats = policy_loss(logp, old_logp, advantages, mask, **kw)
+    return 0.5 * loss, stats
+
+
+def _batch(seed: int = 0, b: int = 5, t: int = 6):
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=gen, dtype=D) * 2 - 0.1
+    logp = old + torch.randn(b, t, generator=gen, dtype=D) * 0.5  # many ratios clipped
+    ref = old + torch.randn(b, t, generator=gen, dtype=D) * 0.3
+    offset = torch.linspace(-1.0, 1.0, b, dtype=D)[:, None]
+    rollout = old + offset + torch.randn(b, t, generator=gen, dtype=D) * 0.4
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.9, 0.8], dtype=D)[:b]
+    entropy = torch.rand(b, t, generator=gen, dtype=D) * 2
+    mask = torch.ones(b, t, dtype=D)
+    for i in range(b):
+        mask[i, t - 1 - i % 3 :] = 0
+    return dict(logp=logp, old=old, ref=ref, rollout=rollout, adv=adv, entropy=entropy, mask=mask)
+
+
+def _config(*argv: str) -> LossConfig:
+    return LossConfig.from_args(parse_args(["--prompt-data", "builtin:reverse", *argv]))
+
+
+def _loss_and_grad(config: LossConfig, data: dict, norm: Normalizers | None = None):
+    logp = data["logp"].clone().requires_grad_()
+    entropy = data["entropy"].clone().requires_grad_()
+    loss, metrics = micro_batch_loss(
+        logp,
+        data["mask"],
+        data["adv"],
+        norm or Normalizers(num_tokens=int(data["mask"].sum()), num_samples=len(data["adv"])),
+        config,
+        old_logp=data["old"],
+        ref_logp=data["ref"],
+        rollout_logp=data["rollout"],
+        entropy=entropy,
+    )
+    loss.backward()
+    entropy_grad = torch.zeros_like(entropy) if entropy.grad is None else entropy.grad
+    grad = torch.cat([logp.grad.flatten(), entropy_grad.flatten()])
+    return float(loss.detach()), grad, metrics.means()
+
+
+# Each loss flag with its precondition, and the LossConfig field it must set.
+LOSS_FLAGS = {
+    "--eps-clip": (["--eps-clip", "0.1"], {"eps_clip": 0.1}),
+    "--eps-clip-high": (["--eps-clip-high", "0.5"], {"eps_clip_high": 0.5}),
+    "--eps-clip-c": (["--eps-clip-c", "1.5"], {"eps_clip_c": 1.5}),
+    "--policy-loss-level": (["--policy-loss-level", "sequence"], {"level": "sequence"}),
+    "--use-kl-loss": (["--use-kl-loss", "--kl-loss-coef", "0.5"], {"use_kl": True}),
+    "--kl-loss-coef": (["--use-kl-loss", "--kl-loss-coef", "0.25"], {"kl_coef": 0.25}),
+    "--kl-loss-type": (
+        ["--use-kl-loss", "--kl-loss-coef", "0.5", "--kl-loss-type", "k1"],
+        {"kl_type": "k1"},
+    ),
+    "--entropy-coef": (["--entropy-coef", "0.1"], {"entropy_coef": 0.1}),
+    "--loss-agg-mode": (
+        ["--loss-agg-mode", "seq-mean-token-sum"],
+        {"agg_mode": "seq-mean-token-sum"},
+    ),
+    "--loss-agg-norm-len": (
+        ["--loss-agg-mode", "seq-mean-token-sum-norm", "--loss-agg-norm-len", "3"],
+        {"norm_len": 3},
+    ),
+    "--use-tis": (["--use-tis"], {"correction": RolloutCorrection()}),
+    "--tis-clip": (["--use-tis", "--tis-clip", "1.2"], {"correction": RolloutCorrection(high=1.2)}),
+    "--tis-level": (
+        ["--use-tis", "--tis-level", "sequence"],
+        {"correction": RolloutCorrection(level="sequence")},
+    ),
+    "--tis-mode": (
+        ["--use-tis", "--tis-mode", "mask"],
+        {"correction": RolloutCorrection(mode="mask")},
+    ),
+    "--tis-clip-low": (
+        ["--use-tis", "--tis-mode", "mask", "--tis-clip-low", "0.9"],
+        {"correction": RolloutCorrection(mode="mask", low=0.9)},
+    ),
+    "--custom-loss-function-path": (["--custom-loss-function-path", CUSTOM], {}),
+}
+# The other flags of the algorithm group act before the loss: on advantages or batching.
+NOT_LOSS_FLAGS = {
+    "--advantage-estimator",
+    "--custom-advantage-function-path",
+    "--global-batch-size",
+    "--num-steps-per-rollout",
+    "--shuffle-updates",
+    "--micro-batch-size",
+    "--use-dynamic-batch-size",
+    "--max-tokens-per-gpu",
+}
+# What each flag is compared with: the same preconditions, the flag itself left out.
+BASELINES = {
+    "--kl-loss-coef": ["--use-kl-loss", "--kl-loss-coef", "0.5"],
+    "--kl-loss-type": ["--use-kl-loss", "--kl-loss-coef", "0.5"],
+    "--loss-agg-norm-len": ["--loss-agg-mode", "seq-mean-token-sum-norm"],
+    "--tis-clip": ["--use-tis"],
+    "--tis-level": ["--use-tis"],
+    "--tis-mode": ["--use-tis"],
+    "--tis-clip-low": ["--use-tis", "--tis-mode", "mask"],
+}
+
+
+def test_every_algorithm_flag_is_accounted_for():
+    parser = argparse.ArgumentParser()
+    flags._algorithm(parser)
+    names = {opt for action in parser._actions for opt in action.option_strings if opt != "-h"}
+    names -= {"--help"}
+    assert names == set(LOSS_FLAGS) | NOT_LOSS_FLAGS
+
+
+@pytest.mark.parametrize("flag", sorted(LOSS_FLAGS))
+def test_each_loss_flag_reaches_the_loss(flag):
+    argv, fields = LOSS_FLAGS[flag]
+    config = _config(*argv)
+    base = _config(*BASELINES.get(flag, []))
+    for name, value in fields.items():
+        assert getattr(config, name) == value and getattr(base, name) != value, name
+    data = _batch()
+    loss, grad, _ = _loss_and_grad(config, data)
+    base_loss, base_grad, _ = _loss_and_grad(base, data)
+    assert abs(loss - base_loss) > 1e-6 or (grad - base_grad).abs().max() > 1e-6, flag
+
+
+def _plain_loss(data: dict, *, high: float, kl_coef: float, entropy_coef: float, eps=0.2):
+    """Token-mean PPO + token-truncated correction + k3 KL − entropy, one token at a time."""
+    logp = data["logp"].clone().requires_grad_()
+    total = torch.zeros((), dtype=D)
+    mask, n = data["mask"], float(data["mask"].sum())
+    for i in range(mask.shape[0]):
+        a = float(data["adv"][i])
+        for t in range(mask.shape[1]):
+            if mask[i, t] == 0:
+                continue
+            ratio = torch.exp(logp[i, t] - data["old"][i, t])
+            pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - eps, 1 + eps))
+            w = min(math.exp(float(data["old"][i, t] - data["rollout"][i, t])), high)
+            d = logp[i, t] - data["ref"][i, t]
+            kl = torch.exp(-d) + d - 1
+            total = total + w * pg + kl_coef * kl - entropy_coef * data["entropy"][i, t]
+    loss = total / n
+    loss.backward()
+    return float(loss.detach()), logp.grad
+
+
+def test_loss_with_correction_kl_and_entropy_is_its_definition():
+    data = _batch(seed=3)
+    config = _config(
+        "--use-tis",
+        "--tis-clip",
+        "1.5",
+        "--use-kl-loss",
+        "--kl-loss-coef",
+        "0.2",
+        "--kl-loss-type",
+        "k3",
+        "--entropy-coef",
+        "0.05",
+    )
+    loss, grad, metrics = _loss_and_grad(config, data)
+    expected, expected_grad = _plain_loss(data, high=1.5, kl_coef=0.2, entropy_coef=0.05)
+    assert loss == pytest.approx(expected, rel=1e-12)
+    torch.testing.assert_close(grad[: data["logp"].numel()].view_as(expected_grad), expected_grad)
+    valid = data["mask"] > 0
+    ratio = torch.exp(data["old"] - data["rollout"])[valid]
+    assert metrics["tis_ratio_mean"] == pytest.approx(float(ratio.mean()), rel=1e-12)
+    assert metrics["tis_ratio_max"] == pytest.approx(float(ratio.max()), rel=1e-12)
+    assert metrics["tis_weight_mean"] == pytest.approx(float(ratio.clamp(max=1.5).mean()))
+    assert metrics["tis_truncated_frac"] == pytest.approx(float((ratio > 1.5).double().mean()))
+    assert 0 < metrics["tis_truncated_frac"] < 1
+
+
+def test_mask_mode_reports_the_masked_fraction():
+    data = _batch(seed=4)
+    _, _, metrics = _loss_and_grad(_config("--use-tis", "--tis-mode", "mask"), data)
+    ratio = torch.exp(data["old"] - data["rollout"])[data["mask"] > 0]
+    outside = (ratio < 0.5) | (ratio > 2.0)
+    assert metrics["tis_masked_frac"] == pytest.approx(float(outside.double().mean()))
+    assert 0 < metrics["tis_masked_frac"] < 1 and "tis_truncated_frac" not in metrics
+
+
+def test_correction_without_engine_log_probs_is_refused():
+    data = _batch()
+    with pytest.raises(ValueError, match="--use-tis needs the rollout engine's log-probs"):
+        micro_batch_loss(
+            data["logp"],
+            data["mask"],
+            data["adv"],
+            Normalizers(10, 5),
+            _config("--use-tis"),
+            old_logp=data["old"],
+        )
+
+
+def test_dr_grpo_normalizer_is_the_runs_constant():
+    """Two steps whose longest responses differ (6 and 3 tokens) divide by the same
+    number of sequences × the generation budget (--rollout-max-response-len)."""
+    config = _config(
+        "--loss-agg-mode", "seq-mean-token-sum-norm", "--rollout-max-response-len", "32"
+    )
+    assert config.norm_len == 32
+    for width in (6, 3):
+        data = _batch(seed=width, t=width)
+        values = torch.ones(5, width, dtype=D)
+        loss, _ = micro_batch_loss(
+            torch.zeros(5, width, dtype=D),
+            data["mask"],
+            -torch.ones(5, dtype=D),  # ratio 1, A = −1: each token's loss is exactly 1
+            Normalizers(num_tokens=int(data["mask"].sum()), num_samples=5),
+            config,
+        )
+        assert float(loss) == pytest.approx(float((values * data["mask"]).sum()) / (5 * 32))
