@@ -9,7 +9,8 @@ rollout manager produce. Layout of the output folder::
     OUTPUT_DIR/metrics.jsonl    one JSON object per rollout, fsync'd as written
     OUTPUT_DIR/tensorboard/     event files (``--use-tensorboard``)
     OUTPUT_DIR/summary.json     final numbers, written by ``finish``
-    OUTPUT_DIR/progress.png     reward and response length over the whole run
+    OUTPUT_DIR/progress.png     reward, response length and seconds per phase over the run
+    OUTPUT_DIR/trace.json       Perfetto trace of the ``--profile-rollouts`` (vime.profiling)
 
 metrics.jsonl is the source of truth: a resumed run rewrites it to the rollouts
 before its start (so nothing is duplicated and a half-written line from a crash
@@ -43,6 +44,16 @@ WANDB_ID_FILE = "wandb_run_id.txt"
 
 REWARD_KEY = "rollout/reward_mean"
 REWARD_STD_KEY = "rollout/reward_std"
+REWARD_MIN_KEY = "rollout/reward_min"
+REWARD_MAX_KEY = "rollout/reward_max"
+# The driver's phases drawn per rollout (vime.step_timing): label, metric.
+PHASE_KEYS = (
+    ("rollout", "phase/rollout_s"),
+    ("train", "phase/train_s"),
+    ("sync", "phase/sync_s"),
+    ("probe", "phase/probe_s"),
+    ("eval", "phase/eval_s"),
+)
 LENGTH_KEY = "rollout/response_len_mean"
 STEP_TIME_KEY = "perf/step_time_s"
 # First key present wins; rollout throughput is what a user watches on the console.
@@ -388,8 +399,33 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return xs, ys
 
 
+def reward_band(records: list[dict[str, Any]]) -> tuple[list[int], list[float], list[float]]:
+    """``(rollouts, lower, upper)`` of the plot's reward band: mean ∓ std, kept within the
+    rollout's observed min and max where recorded (a reward in [0, 1] with a large spread
+    would otherwise draw a band below 0)."""
+    xs: list[int] = []
+    lower: list[float] = []
+    upper: list[float] = []
+    for record in records:
+        mean, std = _number(record, REWARD_KEY), _number(record, REWARD_STD_KEY)
+        if mean is None or std is None:
+            continue
+        low, high = _number(record, REWARD_MIN_KEY), _number(record, REWARD_MAX_KEY)
+        xs.append(record["rollout_id"])
+        lower.append(mean - std if low is None else max(low, mean - std))
+        upper.append(mean + std if high is None else min(high, mean + std))
+    return xs, lower, upper
+
+
+def phase_seconds(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """Seconds per driver phase per rollout (``PHASE_KEYS``), for the phases logged."""
+    series = {label: _series(records, key) for label, key in PHASE_KEYS}
+    return {label: xy for label, xy in series.items() if xy[0]}
+
+
 def plot_progress(records: list[dict[str, Any]], path: str | os.PathLike[str]) -> str | None:
-    """Draw reward (±std, eval points) and response length over rollout_id to a PNG.
+    """Draw reward (±std within min/max, eval points), response length and seconds per
+    phase over rollout_id to a PNG.
 
     Uses a bare Figure with the Agg canvas, so neither pyplot's global state nor
     the process-wide backend is touched. Returns the path, or None when there
@@ -403,22 +439,14 @@ def plot_progress(records: list[dict[str, Any]], path: str | os.PathLike[str]) -
     except ImportError:
         return None
 
-    fig = Figure(figsize=(9, 6), layout="constrained")
+    fig = Figure(figsize=(9, 8), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_reward, ax_len = fig.subplots(2, 1, sharex=True)
+    ax_reward, ax_len, ax_time = fig.subplots(3, 1, sharex=True)
 
     xs, mean = _series(records, REWARD_KEY)
     ax_reward.plot(xs, mean, color="tab:blue", label="reward mean")
-    band = [
-        (r["rollout_id"], m, s)
-        for r in records
-        if (m := _number(r, REWARD_KEY)) is not None
-        and (s := _number(r, REWARD_STD_KEY)) is not None
-    ]
-    if band:
-        bx, bm, bs = zip(*band, strict=True)
-        lower = [m - s for m, s in zip(bm, bs, strict=True)]
-        upper = [m + s for m, s in zip(bm, bs, strict=True)]
+    bx, lower, upper = reward_band(records)
+    if bx:
         ax_reward.fill_between(bx, lower, upper, color="tab:blue", alpha=0.2, label="± std")
     for key, color in zip(EVAL_KEYS, ("tab:red", "tab:green"), strict=True):
         ex, ey = _series(records, key)
@@ -432,8 +460,16 @@ def plot_progress(records: list[dict[str, Any]], path: str | os.PathLike[str]) -
     lx, ly = _series(records, LENGTH_KEY)
     ax_len.plot(lx, ly, color="tab:orange")
     ax_len.set_ylabel("response length (tokens)")
-    ax_len.set_xlabel("rollout")
     ax_len.grid(alpha=0.3)
+
+    for label, (px, py) in phase_seconds(records).items():
+        # Eval runs every --eval-interval rollouts: points, not a line through the gaps.
+        ax_time.plot(px, py, "o" if label == "eval" else "-", markersize=3, label=label)
+    ax_time.set_ylabel("seconds per phase")
+    ax_time.set_xlabel("rollout")
+    ax_time.grid(alpha=0.3)
+    if ax_time.get_legend_handles_labels()[0]:
+        ax_time.legend(loc="best", fontsize="small", ncol=5)
 
     fig.savefig(path, dpi=100)
     return str(path)

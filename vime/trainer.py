@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import ray
 
+from vime import perf
 from vime.backends.base import TRAIN_MEMORY_TAGS
 from vime.config.errors import ConfigError
 from vime.config.parser import Config
@@ -30,6 +30,7 @@ from vime.data.prompts import (
     load_prompts,
     render_prompt,
 )
+from vime.profiling import PhaseClock, TimedCalls
 from vime.ray.engines import EngineGroup
 from vime.ray.placement import (
     ActorFailure,
@@ -44,9 +45,11 @@ from vime.ray.train_group import RayTrainGroup
 from vime.rollout.manager import DataExhausted, RolloutManager
 from vime.rollout.rewards import build_reward_scorer, reward_needs_label
 from vime.rollout.types import MEMORY_TAGS
+from vime.step_timing import StepTiming
 from vime.tracking import Tracker, default_output_dir, quiet_library_progress_bars
 
 EMBEDDED_MODEL_DIR = "embedded_model"
+TRACE_FILE = "trace.json"
 
 
 def run(args: Config) -> dict[str, Any]:
@@ -155,11 +158,13 @@ class Run:
         self.engines = self.turns.engines
         engines = f"{self.engines.kind} ({self.engines.reason}), {layout.num_engines} engine(s)"
         self.log(f"vime: rollout engine {engines}")
+        # The driver's phases, the reward's among them (timed where the manager calls it).
+        clock = PhaseClock()
         self.manager = RolloutManager(
             args,
             self.engines,
             self.tokenizer,
-            self.scorer,
+            TimedCalls(self.scorer, clock, "reward", ["score_sync"]),
             source,
             self.prompt_ids,
             is_correct=self.task.is_correct if self.task else None,
@@ -170,6 +175,17 @@ class Run:
         self.transport = weight_transport(args, use_gpu)
         if self.transport == "broadcast":
             self.train_group.setup_broadcast(self.engines, "nccl" if use_gpu else "gloo")
+        self.timing = StepTiming(
+            self.train_group,
+            self.engines,
+            clock,
+            shape=perf.model_shape(checkpoint_dir),
+            peaks=self.train_group.peaks(),
+            profile_rollouts=args.profile_rollouts,
+            trace_path=os.path.join(output_dir, TRACE_FILE),
+        )
+        peak = f"{self.timing.peak_flops / 1e9:.3g} GFLOP/s"
+        self.log(f"vime: training peak {peak} over all ranks ({self.timing.peak_source})")
         self.tracker = Tracker(
             output_dir,
             num_rollouts=num_rollout,
@@ -203,8 +219,15 @@ class Run:
             # After the log: a checkpoint never holds a rollout whose metrics line a stop
             # right after it could lose (a resume keeps the lines before its start).
             if save_due(rollout_id, args.num_rollout, args.save, args.save_interval):
-                self.save(rollout_id)
+                with self.timing.phase("save"):
+                    self.save(rollout_id)
+            self.timing.end()
         summary: dict[str, Any] = {"output_dir": self.output_dir}
+        summary["peak_flops_source"] = self.timing.peak_source
+        if self.timing.traced:
+            summary["trace"] = self.timing.trace_path
+            ids = ",".join(str(i) for i in self.timing.traced)
+            self.log(f"vime: trace of rollout(s) {ids} in {summary['trace']} (ui.perfetto.dev)")
         summary.update({key.split("/")[-1]: int(n) for key, n in self.dropped.items()})
         if self.eval_prompts is not None:
             self.turns.rollout()
@@ -219,29 +242,28 @@ class Run:
         return summary
 
     def step(self, rollout_id: int) -> dict[str, float]:
-        args = self.args
-        start = time.perf_counter()
-        self.turns.rollout()
-        batch, metrics = self.manager.generate(rollout_id)
-        self.turns.train()
-        train_start = time.perf_counter()
-        planned = plan_updates(args, batch, rollout_id)
-        metrics.update(self.train_group.train(ray.put(planned)))
-        train_time = time.perf_counter() - train_start
-        sync_start = time.perf_counter()
-        self.turns.weight_sync()
-        metrics.update(self.sync_weights(rollout_id + 1))
-        metrics["perf/weight_sync_time_s"] = time.perf_counter() - sync_start
-        trainer_probe = self._trainer_probe()
-        self.turns.rollout()  # the probe's engine half, eval and the next generation
-        metrics.update(self._probe_diff(trainer_probe))
+        args, timing = self.args, self.timing
+        timing.begin(rollout_id)
+        with timing.phase("rollout"):
+            self.turns.rollout()
+            batch, metrics = self.manager.generate(rollout_id)
+        with timing.phase("train"):
+            self.turns.train()
+            planned = plan_updates(args, batch, rollout_id)
+            metrics.update(self.train_group.train(ray.put(planned)))
+        with timing.phase("sync"):
+            self.turns.weight_sync()
+            metrics.update(self.sync_weights(rollout_id + 1))
+        with timing.phase("probe"):
+            trainer_probe = self._trainer_probe()
+            self.turns.rollout()  # the probe's engine half, eval and the next generation
+            metrics.update(self._probe_diff(trainer_probe))
         eval_due = args.eval_interval and (rollout_id + 1) % args.eval_interval == 0
         if self.eval_prompts is not None and eval_due:
-            metrics.update(self.manager.evaluate(self.eval_prompts, self.eval_ids))
-        tokens = sum(len(t) for t in batch.tokens)
-        metrics["perf/train_time_s"] = train_time
-        metrics["perf/train_tokens_per_s"] = tokens / max(train_time, 1e-9)
-        metrics["perf/step_time_s"] = time.perf_counter() - start
+            with timing.phase("eval"):
+                metrics.update(self.manager.evaluate(self.eval_prompts, self.eval_ids))
+        # Time per phase, idle fractions, tokens/s, MFU (vime.step_timing).
+        metrics.update(timing.step_metrics([len(t) for t in batch.tokens]))
         return metrics
 
     def save(self, rollout_id: int) -> None:

@@ -7,7 +7,9 @@ what it should on a TTY (redrawn with \\r) and off one (a line per rollout),
 that finish() writes summary.json and a real PNG, that TensorBoard receives the
 scalars, that --use-wandb without wandb is a ConfigError that leaves nothing
 behind, and that with wandb (offline mode, no network) the rollouts' metrics
-land in the W&B run and a resumed run continues the same W&B run id.
+land in the W&B run and a resumed run continues the same W&B run id. The plot's
+reward band stays within each rollout's observed min and max reward, and its time
+panel has one series per driver phase logged.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ import pytest
 import torch
 
 from vime.config.errors import ConfigError
-from vime.tracking import Tracker, default_output_dir, format_duration, read_metrics
+from vime.tracking import (
+    Tracker,
+    default_output_dir,
+    format_duration,
+    phase_seconds,
+    read_metrics,
+    reward_band,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -152,6 +161,7 @@ def test_finish_writes_summary_and_a_png_covering_a_resumed_run(tmp_path: Path) 
             "rollout/reward_mean": i / 10,
             "rollout/reward_std": 0.1,
             "rollout/response_len_mean": 4.0 + i,
+            "phase/train_s": 0.5,
         }
         if i % 2 == 0:
             m["eval/pass@1"] = i / 8
@@ -173,6 +183,36 @@ def test_finish_writes_summary_and_a_png_covering_a_resumed_run(tmp_path: Path) 
     assert summary["rollouts_logged"] == 6  # the plot's source spans both sessions
     assert summary["status"] == "ok"  # written by the first session, merged by the second
     assert second.finish() == png  # idempotent
+
+
+def test_reward_band_stays_within_the_observed_rewards() -> None:
+    records = [
+        # Mostly 0 with a few 1s: mean - std < 0 and mean + std < max.
+        {"rollout_id": 0, "rollout/reward_mean": 0.1, "rollout/reward_std": 0.3}
+        | {"rollout/reward_min": 0.0, "rollout/reward_max": 1.0},
+        # Mostly 1: the upper edge would pass 1.
+        {"rollout_id": 1, "rollout/reward_mean": 0.9, "rollout/reward_std": 0.3}
+        | {"rollout/reward_min": 0.0, "rollout/reward_max": 1.0},
+        # A metrics file from before min/max were logged: mean ± std as it was.
+        {"rollout_id": 2, "rollout/reward_mean": 0.5, "rollout/reward_std": 0.1},
+        {"rollout_id": 3, "rollout/reward_mean": 0.5},  # no std: no band
+    ]
+    xs, lower, upper = reward_band(records)
+    assert xs == [0, 1, 2]
+    assert lower == pytest.approx([0.0, 0.6, 0.4])
+    assert upper == pytest.approx([0.4, 1.0, 0.6])
+
+
+def test_time_panel_has_a_series_per_phase_logged() -> None:
+    records = [
+        {"rollout_id": i, "phase/rollout_s": 1.0 + i, "phase/train_s": 2.0, "phase/sync_s": 0.1}
+        for i in range(4)
+    ]
+    records[1]["phase/eval_s"] = 3.0
+    series = phase_seconds(records)
+    assert list(series) == ["rollout", "train", "sync", "eval"]  # no probe logged
+    assert series["rollout"] == ([0, 1, 2, 3], [1.0, 2.0, 3.0, 4.0])
+    assert series["eval"] == ([1], [3.0])
 
 
 def test_context_manager_records_failure(tmp_path: Path) -> None:

@@ -9,7 +9,13 @@ plot and the final eval land in the output folder. A run resumed from the
 checkpoint of rollout 1 (colocated: training asleep from the start, the loaded
 weights synced first) redoes rollout 2 exactly as the uninterrupted run did
 (same samples, same loss): sampling is seeded by run seed and rollout id, and
-the data position is part of the checkpoint. Both runs split each rollout into
+the data position is part of the checkpoint. Each metrics line has the step's time
+per driver phase (summing to the step), idle fractions, the weight bytes each engine
+received (the checkpoint's, in full) and the train phase's MFU. A run whose training
+is made slow (a loss that sleeps) shows the engine idle for most of the step and the
+ranks busy for the sleep, and its ``--profile-rollouts 1`` trace holds the driver's
+phases, the ranks' torch ops and the engine's calls within that rollout, with no
+engine call during training and no rank call during generation. Both runs split each rollout into
 two optimizer steps with ``--shuffle-updates``, so the resumed loss matches only
 if the update order is a function of run seed and rollout id too; and the plan a
 rollout is trained as is the planner's schedule under that seed, unlike the
@@ -43,6 +49,7 @@ import pytest
 from vime.checkpoint import TRACKER, iteration_dir
 from vime.config.parser import parse_args
 from vime.data.batch import RolloutBatch, schedule
+from vime.perf import safetensors_shapes
 from vime.trainer import (
     DeviceTurns,
     plan_updates,
@@ -71,7 +78,25 @@ REQUIRED = [
     "perf/weight_sync_time_s",
     "perf/rollout_tokens_per_s",
     "perf/train_tokens_per_s",
+    "perf/train_flops",
+    "perf/peak_flops",
+    "perf/train_mfu",
+    "perf/engine_idle_frac_mean",
+    "perf/engine_idle_frac_max",
+    "perf/trainer_idle_frac_mean",
+    "perf/trainer_idle_frac_max",
+    "perf/driver_only_frac",
+    "perf/weight_sync_bytes",
+    "perf/weight_sync_bytes_per_s",
+    "phase/rollout_s",
+    "phase/reward_s",
+    "phase/train_s",
+    "phase/sync_s",
+    "phase/probe_s",
+    "phase/other_s",
 ]
+# The driver's phases that partition a step (reward is inside rollout and eval).
+TOP_PHASES = ("rollout", "train", "sync", "probe", "eval", "other")
 
 SMALL = [
     "--actor-num-gpus-per-node",
@@ -143,6 +168,17 @@ def test_three_rollouts_log_every_metric_and_advance_the_weights(full_run: Path)
         assert row["train/skipped_steps"] == 0.0 and row["train/grad_norm"] > 0.0
         assert row["data/prompts_dropped"] == 0.0
     assert "eval/pass@1" in rows[1]
+    folder = full_run / "out" / "embedded_model"
+    weights = sum(math.prod(s) for s in safetensors_shapes(folder / "model.safetensors").values())
+    for row in rows:
+        assert sum(row.get(f"phase/{p}_s", 0.0) for p in TOP_PHASES) == pytest.approx(
+            row["perf/step_time_s"]
+        )
+        assert row["phase/reward_s"] <= row["phase/rollout_s"] + row.get("phase/eval_s", 0.0)
+        assert 0.0 < row["perf/train_mfu"] < 1.0
+        assert all(0.0 <= row[k] <= 1.0 for k in REQUIRED if "_frac" in k)
+        assert row["perf/weight_sync_bytes"] == 4 * weights  # fp32, the whole set
+    assert "perf/eval_tokens_per_s" in rows[1] and "perf/eval_tokens_per_s" not in rows[0]
 
 
 def test_library_progress_bars_stay_off_the_console(full_run: Path) -> None:
@@ -336,6 +372,72 @@ def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_
         assert row["train/ppo_kl"] == 0.0 and row["train/clipfrac"] == 0.0  # one update
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-3
         assert row["data/prompts_dropped"] == 177 and row["data/eval_prompts_dropped"] == 79
+
+
+SLOW_LOSS = """
+import time
+
+from vime.algo import policy_loss
+
+
+def loss(logp, old_logp, advantages, mask, **kwargs):
+    time.sleep(3.0)
+    return policy_loss(logp, old_logp, advantages, mask, **kwargs)
+"""
+
+
+def test_slow_training_leaves_the_engine_idle_and_the_trace_shows_it(tmp_path: Path) -> None:
+    """Training made slow by a loss that sleeps 3 s per micro-batch: every rank is busy
+    for at least the sleep, the engine idles through the whole train phase and for most
+    of the step, and engines and ranks together cover the step but for the driver's own
+    work. The trace of rollout 1 (``--profile-rollouts 1``, path printed) is valid JSON
+    with the driver's phases, a rank's ``aten::`` ops and the engine's calls, all inside
+    that rollout's span; no engine call overlaps the train phase and no rank call
+    overlaps the rollout phase (the synchronous loop)."""
+    (tmp_path / "slow.py").write_text(SLOW_LOSS)
+    out = tmp_path / "out"
+    result = _train(
+        "--num-rollout",
+        "2",
+        "--rollout-engine",
+        "hf",
+        "--output-dir",
+        str(out),
+        "--custom-loss-function-path",
+        f"{tmp_path / 'slow.py'}:loss",
+        "--profile-rollouts",
+        "1",
+        cwd=tmp_path,
+    )
+    assert f"trace of rollout(s) 1 in {out / 'trace.json'}" in result.stderr
+    for row in _metrics(out):
+        step = row["perf/step_time_s"]
+        assert (1.0 - row["perf/trainer_idle_frac_max"]) * step >= 3.0
+        assert row["perf/engine_idle_frac_mean"] >= (row["phase/train_s"] / step - 1e-3)
+        assert row["perf/engine_idle_frac_max"] > 0.5
+        assert row["perf/driver_only_frac"] < 0.2
+
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    driver = {e["name"]: e for e in spans if process[e["pid"]] == "driver"}
+    assert {"rollout 1", "rollout", "reward", "train", "sync", "probe"} <= set(driver)
+    first, last = driver["rollout 1"]["ts"], driver["rollout 1"]["ts"] + driver["rollout 1"]["dur"]
+    assert all(first - 1 <= e["ts"] and e["ts"] + e.get("dur", 0) <= last + 1 for e in spans)
+    on_ranks = [e for e in spans if process[e["pid"]].startswith("training rank")]
+    on_engine = [e for e in spans if process[e["pid"]] == "rollout engine 0"]
+    assert any(e["name"].startswith("aten::") for e in on_ranks)
+    assert {"generate", "prefill", "decode", "score", "update_weights"} <= {
+        e["name"] for e in on_engine
+    }
+
+    def overlaps(e: dict, phase: dict) -> bool:
+        return e["ts"] < phase["ts"] + phase["dur"] and phase["ts"] < e["ts"] + e["dur"]
+
+    assert not [e["name"] for e in on_engine if overlaps(e, driver["train"])]
+    calls = [e for e in on_ranks if e.get("cat") == "vime"]
+    assert {"train", "log_probs", "send_weights"} <= {e["name"] for e in calls}
+    assert not [e["name"] for e in calls if overlaps(e, driver["rollout"])]
 
 
 FAILING_LOSS = """

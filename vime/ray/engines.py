@@ -5,6 +5,11 @@ rollout bundles; ``vime.rollout.manager`` asks it for completions; the train
 group pushes new weights into it (``vime.weights.transports``). Each actor owns
 one engine (``HFEngine`` or ``VLLMEngine``, both meeting
 ``vime.rollout.types.RolloutEngine``) and never sees the training processes.
+
+Timing (``vime.profiling``): each actor records a span around every call that works
+(generate, with the tokens it made; score; each weight load, with the bytes it
+received; sleep/wake), which the driver drains once per rollout (``drain_spans``):
+an engine's busy time is measured in its own process.
 """
 
 from __future__ import annotations
@@ -12,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from vime import device as vime_device
+from vime import profiling
 from vime.config.errors import ConfigError
 from vime.ray.placement import Layout, Placement, label_actor, wait_all
 from vime.rollout.types import Completion, SamplingParams
@@ -138,6 +144,7 @@ class EngineActor:
         self.engine.weight_version = 0
         self._group = None
         self._stream: UpdateStream | None = None
+        profiling.enable()
 
     def ready(self) -> int:
         return os.getpid()
@@ -147,10 +154,17 @@ class EngineActor:
         return self.kind, self.reason
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        return self.engine.generate(prompts, params)
+        with profiling.span("generate", prompts=len(prompts)) as info:
+            out = self.engine.generate(prompts, params)
+            info["tokens"] = sum(len(c.response_ids) for group in out for c in group)
+        return out
 
+    @profiling.timed("score")
     def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
         return self.engine.score(token_ids, prompt_len, temperature)
+
+    def drain_spans(self) -> list[profiling.Span]:
+        return profiling.drain()
 
     def weight_version(self) -> int:
         return self.engine.weight_version
@@ -158,13 +172,16 @@ class EngineActor:
     # --- weight transports (see vime.weights.transports) ---
 
     def update_from_object_store(self, refs: list[Any], version: int) -> int:
-        self.engine.update_weights((ray.get(ref) for ref in refs), version)
+        with profiling.span("update_weights") as info:
+            buckets = (ray.get(ref) for ref in refs)
+            self.engine.update_weights(_counted(buckets, info), version)
         return self.engine.weight_version
 
     def update_from_disk(self, folder: str, version: int) -> int:
         from vime.weights.transports import buckets_from_disk
 
-        self.engine.update_weights(buckets_from_disk(folder), version)
+        with profiling.span("update_weights") as info:
+            self.engine.update_weights(_counted(buckets_from_disk(folder), info), version)
         return self.engine.weight_version
 
     def join_broadcast(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
@@ -199,12 +216,14 @@ class EngineActor:
             version = self.engine.weight_version  # named by finish_update
             self._stream = UpdateStream(lambda b: self.engine.update_weights(b, version))
         try:
-            self._stream.put(receive())
+            with profiling.span("receive_bucket") as info:
+                self._stream.put(next(_counted([receive()], info)))
         except BaseException:
             self._stream.abort()
             self._stream = None
             raise
 
+    @profiling.timed("finish_update")
     def finish_update(self, version: int) -> int:
         """End the sync: the update checks the set is complete, then serves ``version``."""
         stream, self._stream = self._stream, None
@@ -216,11 +235,22 @@ class EngineActor:
         self.engine.weight_version = version
         return version
 
+    @profiling.timed("sleep")
     def sleep(self) -> None:
         self.engine.sleep()
 
+    @profiling.timed("wake_up")
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self.engine.wake_up(tags)
+
+
+def _counted(buckets: Iterable[list[Any]], info: dict[str, Any]) -> Iterator[list[Any]]:
+    """``buckets`` as they go by, their tensors' bytes added to ``info["bytes"]``."""
+    for bucket in buckets:
+        info["bytes"] = info.get("bytes", 0) + sum(
+            t.numel() * t.element_size() for _, t in bucket if hasattr(t, "element_size")
+        )
+        yield bucket
 
 
 def _checkpoint_config(checkpoint: str) -> dict[str, Any]:
@@ -337,6 +367,10 @@ class EngineGroup:
         """Every engine's log-probs of ``token_ids[prompt_len:]``, one list per engine."""
         refs = [a.score.remote(token_ids, prompt_len, temperature) for a in self.actors]
         return wait_all(refs, "scoring the probe")
+
+    def drain_spans(self) -> list[list[profiling.Span]]:
+        """Every engine's spans since the last drain, in engine order."""
+        return wait_all([a.drain_spans.remote() for a in self.actors], "reading engine timings")
 
     def weight_versions(self) -> list[int]:
         return wait_all([a.weight_version.remote() for a in self.actors], "reading versions")

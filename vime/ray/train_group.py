@@ -8,6 +8,11 @@ the backend initializes, and owns the training side of the weight transports
 ``weight_buckets``). The loop only calls the group's methods, each of which
 returns rank 0's answer once every rank has finished, or raises as soon as any
 rank fails.
+
+Timing (``vime.profiling``): each rank records a span around every call that works
+(train, each log-prob pass, the weight send, sleep/wake, save, export), drained by
+the driver once per rollout; it measures its peak FLOP/s once at start-up
+(``vime.perf.rank_peak``) and runs torch.profiler for ``--profile-rollouts``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import ray
 
 from vime import device as vime_device
+from vime import perf, profiling
 from vime.backends import registry
 from vime.ray.placement import Placement, label_actor, wait_all
 
@@ -30,6 +36,8 @@ class TrainWorker:
         self.rank, self.world, self.backend = rank, world, backend
         self.actor = None
         self._group = None
+        self._profile = profiling.TorchProfile()
+        self._peak: perf.Peak | None = None
 
     def address(self) -> tuple[str, int]:
         from vime.weights.transports import free_port, node_ip
@@ -51,31 +59,63 @@ class TrainWorker:
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU: it is device 0 here.
             os.environ["LOCAL_RANK"] = "0"
         self.actor = registry.actor_class(self.backend)()
-        return self.actor.init(args)
+        start = self.actor.init(args)
+        # The backend's train() runs its old/ref log-prob passes through this method: timed
+        # on the instance, each pass that actually runs is a span (the FLOP count reads
+        # them), with no hook in the backend.
+        passes = self.actor.compute_log_probs
 
+        def log_probs(schedule: Any, which: str) -> Any:
+            with profiling.span("log_probs", which=which):
+                return passes(schedule, which)
+
+        self.actor.compute_log_probs = log_probs
+        # Measured with every rank measuring at once, as they will train.
+        self._peak = perf.rank_peak(vime_device.local_device())
+        profiling.enable()
+        return start
+
+    def peak(self) -> perf.Peak:
+        return self._peak
+
+    def drain_spans(self) -> list[profiling.Span]:
+        return profiling.drain()
+
+    def start_profile(self) -> None:
+        self._profile.start()
+
+    def stop_profile(self) -> list[dict[str, Any]]:
+        return self._profile.stop()
+
+    @profiling.timed("train")
     def train(self, schedule: Any) -> dict[str, float]:
         return self.actor.train(schedule)
 
     def compute_log_probs(self, schedule: Any, which: str) -> Any:
         return self.actor.compute_log_probs(schedule, which)
 
+    @profiling.timed("save")
     def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
         self.actor.save(rollout_id, extra)
 
     def loaded_extra(self) -> dict[str, Any]:
         return getattr(self.actor, "loaded_extra", {}) or {}
 
+    @profiling.timed("export_hf")
     def export_hf(self, path: str) -> None:
         self.actor.export_hf(path)
 
+    @profiling.timed("sleep")
     def sleep(self, tags: Sequence[str] | None = None) -> None:
         self.actor.sleep(tags)
 
+    @profiling.timed("wake_up")
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self.actor.wake_up(tags)
 
     # --- weight transports: every rank iterates the buckets (collective); rank 0 sends ---
 
+    @profiling.timed("send_weights")
     def push_to_object_store(self, bucket_bytes: int) -> list[Any]:
         refs = []
         for bucket in self.actor.weight_buckets(bucket_bytes):
@@ -88,6 +128,7 @@ class TrainWorker:
 
         self._group = BroadcastGroup(host, port, 0, world, backend=backend)
 
+    @profiling.timed("send_weights")
     def push_broadcast(self, engines: list[Any], bucket_bytes: int, version: int) -> None:
         from vime.weights.transports import metadata_of
 
@@ -101,6 +142,7 @@ class TrainWorker:
         if self.rank == 0:
             ray.get([engine.finish_update.remote(version) for engine in engines])
 
+    @profiling.timed("send_weights")
     def push_cuda_ipc(self, engines: list[Any], version: int, bucket_bytes: int) -> None:
         """Colocated on GPU: rank r hands its own GPU's engine (engine r) IPC handles."""
         from vime.weights.transports import share_cuda_bucket
@@ -149,6 +191,21 @@ class RayTrainGroup:
 
     def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
         self._all(f"saving rollout {rollout_id}", "save", rollout_id, extra)
+
+    def peaks(self) -> list[perf.Peak]:
+        """Every rank's peak FLOP/s (``vime.perf.rank_peak``, found at start-up)."""
+        return self._all("reading the ranks' peak FLOP/s", "peak")
+
+    def drain_spans(self) -> list[list[profiling.Span]]:
+        """Every rank's spans since the last drain, in rank order."""
+        return self._all("reading the ranks' timings", "drain_spans")
+
+    def start_profile(self) -> None:
+        self._all("starting the profiler", "start_profile")
+
+    def stop_profile(self) -> list[list[dict[str, Any]]]:
+        """Every rank's torch.profiler events since ``start_profile``."""
+        return self._all("stopping the profiler", "stop_profile")
 
     def loaded_extra(self) -> dict[str, Any]:
         (extra,) = wait_all([self.workers[0].loaded_extra.remote()], "reading the checkpoint")

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from vime import device as vime_device
+from vime import profiling
 from vime.rollout.types import Completion, SamplingParams, wake_tags
 
 
@@ -177,13 +178,14 @@ class HFEngine:
         input_ids, mask = input_ids.to(dev), mask.to(dev)
         # Left padding: real tokens are numbered from 0; pad positions just need a valid index.
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with profiling.span("prefill", prompts=len(distinct)):  # a trace's items (vime.profiling)
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         # Rows sampling the same prompt share its prefill: copy cache rows instead of recomputing.
         to_row = torch.tensor([slot[i] for i, _ in rows], dtype=torch.long, device=dev)
         cache = out.past_key_values
@@ -227,13 +229,14 @@ class HFEngine:
                 live, tok, mask, next_pos = live[keep], tok[keep], mask[keep], next_pos[keep]
                 cache.batch_select_indices(keep)
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
-            out = self.model(
-                input_ids=tok.unsqueeze(-1),
-                attention_mask=mask,
-                position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
-            )
+            with profiling.span("decode", rows=int(tok.shape[0])):
+                out = self.model(
+                    input_ids=tok.unsqueeze(-1),
+                    attention_mask=mask,
+                    position_ids=next_pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
             next_pos = next_pos + 1
             logits = out.logits[:, -1]
 
