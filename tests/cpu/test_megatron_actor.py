@@ -630,9 +630,12 @@ def test_distributed_optimizer(hf_dir, tmp_path) -> None:
         assert torch.equal(resumed["weights"][name], weight), name
     # The same updates: the two grad norms differ by fp32 summation order (~1e-7), so a
     # few main weights differ in their last bits and round to a neighbouring bf16 value.
+    # The loss is a sum of signed advantage terms that nearly cancel (|loss| 0.08-0.5 here,
+    # its terms ~0.5), so its tolerance is 1e-4 of the terms' scale, not of the sum
+    # (measured in a fresh install: 1.4e-5 apart at rollout 4, where the loss is -0.12).
     for got, want in zip(whole["metrics"], plain["metrics"], strict=True):
         for key in ("train/loss", "train/grad_norm", "train/entropy"):
-            assert got[key] == pytest.approx(want[key], rel=1e-4), key
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=5e-5), key
     for name, weight in plain["weights"].items():
         diff = (whole["weights"][name].float() - weight.float()).abs()
         assert diff.max() <= 5e-4, (name, float(diff.max()))
