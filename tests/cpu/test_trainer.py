@@ -327,7 +327,10 @@ def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_
     rewards agree are filtered. ``--save`` without ``--save-interval`` checkpoints the last
     rollout only. ``--rollout-max-prompt-len 4`` drops the 177 training and 79 eval prompts
     of length 5: counted in every metrics line and in summary.json. One update per
-    rollout: its PPO ratio is exactly 1, its log-probs the engine's within 1e-3."""
+    rollout: its PPO ratio is exactly 1, its log-probs the engine's within 1e-3, so the
+    rollout correction (mask mode, which the ranks received: they report its masked
+    fraction) keeps every token at a weight within 1e-3 of 1. Dynamic sampling over-samples
+    by --over-sampling-factor and counts the passing groups it did not need."""
     (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
     _train(
         "--num-rollout",
@@ -347,6 +350,13 @@ def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_
         "--dynamic-sampling-filter",
         "--dynamic-sampling-max-rounds",
         "3",
+        "--over-sampling-factor",
+        "2",
+        "--use-tis",
+        "--tis-mode",
+        "mask",
+        "--tis-level",
+        "sequence",
         "--eval-prompt-data",
         "builtin:reverse:eval",
         "--save",
@@ -372,6 +382,10 @@ def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_
         assert row["train/ppo_kl"] == 0.0 and row["train/clipfrac"] == 0.0  # one update
         assert row["train/train_rollout_logprob_abs_diff"] < 1e-3
         assert row["data/prompts_dropped"] == 177 and row["data/eval_prompts_dropped"] == 79
+        assert row["train/tis_masked_frac"] == 0.0 and "train/tis_truncated_frac" not in row
+        assert abs(row["train/tis_ratio_max"] - 1) < 1e-3
+        assert abs(row["train/tis_weight_mean"] - 1) < 1e-3
+        assert row["rollout/prompts_drawn"] >= 2 * 8 and "rollout/groups_surplus" in row
 
 
 SLOW_LOSS = """
