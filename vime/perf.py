@@ -1,6 +1,6 @@
 """Model FLOPs and the peak they are measured against: the train phase's MFU.
 
-Where it fits: the driver (``vime.profiling.StepTiming``) counts the FLOPs of each
+Where it fits: the driver (``vime.step_timing.StepTiming``) counts the FLOPs of each
 rollout's train phase with :func:`train_flops` from the checkpoint's shape
 (:func:`model_shape`) and the token lengths it trained; each training rank finds
 its peak once at start-up (:func:`rank_peak`). Pure functions, no Ray, no model:

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from vime.algo.losses import MAX_LOG_RATIO
+
 CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence")
 CORRECTION_MODES: tuple[str, ...] = ("truncate", "mask")
-
-# exp(±20) stays finite in every float dtype a trainer uses (see vime.algo.losses).
-_MAX_LOG_RATIO = 20.0
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ def correction_weights(
     if correction.level == "sequence":
         n = valid.sum(dim=1, keepdim=True).clamp(min=1).to(delta.dtype)
         delta = (delta.sum(dim=1, keepdim=True) / n).expand_as(delta)
-    ratio = torch.exp(delta.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = torch.exp(delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     if correction.mode == "truncate":
         weight = ratio.clamp(max=correction.high)
         flag = ("truncated", ratio > correction.high)

@@ -22,10 +22,10 @@ import torch
 KL_TYPES: tuple[str, ...] = ("k1", "k2", "k3", "low_var_kl")
 POLICY_LOSS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
-# Log-ratios are clamped to ±_MAX_LOG_RATIO before exp so a ratio can never
+# Log-ratios are clamped to ±MAX_LOG_RATIO before exp so a ratio can never
 # overflow to inf (inf·0 in a backward gives NaN). e^20 ≈ 4.9e8: any token
 # that far off-policy is already clipped or dominates the step anyway.
-_MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0
 
 
 def policy_loss(
@@ -116,14 +116,14 @@ def policy_loss(
 
     if level == "token":
         ppo_kl = -log_ratio.detach()
-        ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     else:
         n_tok = valid.sum(dim=1, keepdim=True).clamp(min=1).to(logp.dtype)
         seq_log_ratio = (log_ratio.sum(dim=1, keepdim=True) / n_tok).detach()
         ppo_kl = (-seq_log_ratio).expand_as(logp)
         # logp − sg(logp) is exactly 0 in value, so ratio == sᵢ bit for bit,
         # while its gradient w.r.t. logpₜ is sᵢ.
-        seq_log_ratio = seq_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        seq_log_ratio = seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         ratio = torch.exp(seq_log_ratio + logp - logp.detach())
 
     unclipped = -adv * ratio
@@ -186,7 +186,7 @@ def kl_penalty(
     elif kind == "k3":
         kl = torch.exp(-delta) + delta - 1.0
     else:
-        delta = delta.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        delta = delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         kl = (torch.exp(-delta) + delta - 1.0).clamp(-10.0, 10.0)
     if mask is not None:
         kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))

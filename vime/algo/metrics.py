@@ -68,11 +68,9 @@ class MetricAccumulator:
             raise ValueError(
                 f"values and mask shapes differ: {tuple(values.shape)} vs {tuple(mask.shape)}"
             )
-        v = values.detach().to(torch.float64)
-        top = torch.where(mask.detach() > 0, v, float("-inf")).amax() if v.numel() else None
-        self._merge_max(
-            name, torch.tensor(float("-inf"), dtype=torch.float64) if top is None else top
-        )
+        kept = torch.where(mask.detach() > 0, values.detach().to(torch.float64), float("-inf"))
+        # amax of an empty tensor raises: an empty batch measured nothing, which is -inf.
+        self._merge_max(name, kept.amax() if kept.numel() else torch.tensor(float("-inf")))
 
     def _merge_max(self, name: str, value: torch.Tensor) -> None:
         if name in self._maxes:

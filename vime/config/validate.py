@@ -418,7 +418,7 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
 
 
 def _check_logging(args: argparse.Namespace) -> None:
-    profiled = getattr(args, "profile_rollouts", ())
+    profiled = args.profile_rollouts
     if profiled and args.num_rollout is not None and profiled[-1] >= args.num_rollout:
         raise ConfigError(
             f"--profile-rollouts names rollout {profiled[-1]}, and the run has "

@@ -118,10 +118,10 @@ class RolloutManager:
                 break
             if self.source.exhausted:
                 break
-            missing = want - len(kept)
+            ask = want - len(kept)
             if args.dynamic_sampling_filter:
-                missing = math.ceil(missing * args.over_sampling_factor)
-            prompts = self.source.next_batch(missing)
+                ask = math.ceil(ask * args.over_sampling_factor)
+            prompts = self.source.next_batch(ask)
             drawn += len(prompts)
             groups = self._sample(prompts, rollout_seed(args.seed, rollout_id, rounds))
             # The scorer describes its latest call only: report each round's failures.
