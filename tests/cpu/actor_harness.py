@@ -28,12 +28,19 @@ VOCAB = 64
 
 
 def make_batch(rollout_id: int, n: int = 8, nan: bool = False) -> RolloutBatch:
-    """``n`` random samples (prompts 2-6, responses 1-9 tokens, ~15 % masked), seeded by id."""
+    """``n`` random samples (prompts 2-6, responses 1-9 tokens, ~15 % masked), seeded by id.
+
+    Samples come in pairs that share their prompt, as a rollout's groups do, so the
+    fsdp2 backend's rows share prompts wherever a pair lands in one micro-batch.
+    """
     rng = random.Random(rollout_id)
     tokens, prompts, masks = [], [], []
-    for _ in range(n):
-        p, r = rng.randint(2, 6), rng.randint(1, 9)
-        tokens.append([rng.randrange(VOCAB) for _ in range(p + r)])
+    for i in range(n):
+        r = rng.randint(1, 9)
+        if i % 2 == 0:
+            p = rng.randint(2, 6)
+            prompt = [rng.randrange(VOCAB) for _ in range(p)]
+        tokens.append(prompt + [rng.randrange(VOCAB) for _ in range(r)])
         prompts.append(p)
         masks.append([1 if rng.random() > 0.15 else 0 for _ in range(r)])
     adv = [rng.gauss(0, 1) for _ in range(n)]

@@ -10,7 +10,11 @@ packed forward -- with transformers' ``sdpa`` under its block mask and with
 vime's ``varlen_sdpa`` -- equal those of per-sample unpacked ``sdpa`` forwards
 within 1e-5, with padding present -- and only with ``use_cache=False``, which
 ``PackedBatch.model_inputs`` always passes (the test shows the silent
-cross-sample attention without it).
+cross-sample attention without it). Shared prompts: the row holds each distinct
+prompt once, responses continue its positions, the per-sample fields keep the
+samples' order, and under ``varlen_sdpa`` its log-probs, entropies and gradients
+equal the per-sample forwards' as the unshared row's do; an attention that takes
+``cu_seqlens`` is refused such a row.
 """
 
 from __future__ import annotations
@@ -38,6 +42,23 @@ def test_layout_of_a_packed_row():
     assert (batch.num_samples, batch.max_seqlen, batch.pad_length) == (3, 7, 0)
     assert batch.run_cu_seqlens().tolist() == [0, 5, 8, 15] and batch.max_run_length == 7
     assert batch.input_ids.dtype == batch.position_ids.dtype == torch.long
+
+
+def test_layout_of_a_row_with_shared_prompts():
+    samples = [[5, 6, 7, 8], [9, 1], [5, 6, 2, 3, 4], [5, 6, 7]]  # 0, 2 and 3 share [5, 6]
+    batch = pack_micro_batch(samples, [2, 1, 2, 2], share_prompts=True, pad_to_multiple_of=4)
+    assert batch.shares_prompts
+    # A prompt's samples sit together: [5, 6] + responses of 0, 2, 3, then sample 1.
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 2, 3, 4, 7, 9, 1, 0, 0]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4, 2, 0, 1, 0, 1]]
+    assert batch.response_starts.tolist() == [2, 9, 4, 7]
+    assert batch.prompt_ends.tolist() == [1, 8, 1, 1]
+    assert batch.response_lengths.tolist() == [2, 1, 3, 1] and batch.pad_length == 2
+    with pytest.raises(ValueError, match="share_prompts=False"):
+        batch.run_cu_seqlens()
+    alone = pack_micro_batch(samples[:2], [2, 1], share_prompts=True)
+    assert not alone.shares_prompts  # nothing to share: the ordinary row
+    assert alone.input_ids.tolist() == [[5, 6, 7, 8, 9, 1]]
 
 
 def test_default_loss_mask_and_padding():
@@ -129,6 +150,49 @@ def packed_model(request, model):
     twin.load_state_dict(model.state_dict())
     assert twin.config._attn_implementation == request.param
     return twin.float().eval()
+
+
+def _grouped_samples(seed: int):
+    """Two prompts with three responses each, and one sample of its own."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        return torch.randint(0, 64, (n,), generator=gen).tolist()
+
+    ids, prompts = [], []
+    for p, responses in ((4, [3, 1, 5]), (2, [2, 4, 1])):
+        prompt = rand(p)
+        ids += [prompt + rand(r) for r in responses]
+        prompts += [p] * len(responses)
+    return [*ids, rand(6)], [*prompts, 3]
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_shared_prompts_equal_per_sample_forwards(model, seed):
+    varlen_attention.register_hf()
+    twin = Qwen3ForCausalLM._from_config(
+        tiny_qwen3_config(64), attn_implementation=varlen_attention.HF_NAME
+    )
+    twin.load_state_dict(model.state_dict())
+    twin.float().eval()
+    ids, prompts = _grouped_samples(seed)
+    # Interleave the groups, as a planner may: a prompt is shared wherever its samples sit.
+    order = [0, 3, 6, 1, 4, 2, 5]
+    ids, prompts = [ids[i] for i in order], [prompts[i] for i in order]
+    batch = pack_micro_batch(ids, prompts, pad_to_multiple_of=8, share_prompts=True)
+    assert batch.shares_prompts and batch.row_length < sum(map(len, ids))
+    weights = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(seed))
+    logits = twin(**batch.model_inputs()).logits
+    logp, ent = response_log_probs(logits, batch, temperature=0.8, with_entropy=True)
+    shared = torch.autograd.grad((weights * (logp + 0.1 * ent)).sum(), list(twin.parameters()))
+    want_logp, want_ent = _unpacked(model, ids, prompts, 0.8)
+    torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, want_ent, rtol=0, atol=1e-5)
+    unpacked = torch.autograd.grad(
+        (weights * (want_logp + 0.1 * want_ent)).sum(), list(model.parameters())
+    )
+    for got, want in zip(shared, unpacked, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def _random_samples(seed: int):

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from vime.backends.varlen_attention import (
     _hf_attention,
+    layout_of_positions,
     packed_causal_attention,
     row_layout,
-    seq_lengths_from_positions,
 )
 
 
@@ -93,8 +93,8 @@ def test_layout_buckets_bound_the_padding():
     covered = []
     for index, keep in layout.buckets:
         width = index.shape[1]
-        real = keep.view(index.shape).sum(1)
-        assert (width <= 2 * real).all() or width == 1
+        real = torch.zeros(index.numel(), dtype=torch.long).index_fill(0, keep, 1)
+        assert (width <= 2 * real.view(index.shape).sum(1)).all() or width == 1
         covered += index.flatten()[keep].tolist()
     assert sorted(covered) == list(range(sum(lengths)))
     assert torch.equal(torch.tensor(covered)[layout.order], torch.arange(sum(lengths)))
@@ -105,14 +105,82 @@ def test_layout_buckets_bound_the_padding():
         row_layout([])
 
 
+def _samples(layout):
+    """Each sample's row indices (its shared prefix included), in row order of its tokens."""
+    seqs = []
+    for index, keep in layout.buckets:
+        mask = torch.zeros(index.numel(), dtype=torch.bool).index_fill(0, keep, True)
+        for row, owned in zip(index.tolist(), mask.view(index.shape).tolist(), strict=True):
+            last = max(j for j, o in enumerate(owned) if o)
+            seqs.append(row[: last + 1])
+    return sorted(seqs, key=lambda seq: seq[-1])
+
+
 def test_boundaries_follow_position_restarts():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1]])
-    assert seq_lengths_from_positions(positions) == [3, 2, 1, 4, 2]
+    starts = [0, 3, 5, 6, 10]
+    lengths = [3, 2, 1, 4, 2]
+    expected = [list(range(a, a + n)) for a, n in zip(starts, lengths, strict=True)]
+    assert _samples(layout_of_positions(positions)) == expected
     # A row that does not start at 0 is still one sample (transformers' rule is "does
     # not follow its predecessor", not "is 0").
-    assert seq_lengths_from_positions(torch.tensor([[4, 5, 6]])) == [3]
+    assert _samples(layout_of_positions(torch.tensor([[4, 5, 6]]))) == [[0, 1, 2]]
     with pytest.raises(ValueError, match="one packed row"):
-        seq_lengths_from_positions(torch.zeros(2, 5, dtype=torch.long))
+        layout_of_positions(torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_shared_prompt_runs_attend_to_their_prefix():
+    # prompt of 3 + response of 2 | response at 3.. (2) | response at 3.. (1) | next sample
+    positions = torch.tensor([[0, 1, 2, 3, 4, 3, 4, 3, 0, 1]])
+    layout = layout_of_positions(positions)
+    assert _samples(layout) == [
+        [0, 1, 2, 3, 4],
+        [0, 1, 2, 5, 6],
+        [0, 1, 2, 7],
+        [8, 9],
+    ]
+    # Each token's output comes from the one sample that owns it.
+    assert torch.equal(torch.sort(layout.order).values, torch.arange(10))
+    with pytest.raises(ValueError, match="past the end of the run it continues"):
+        layout_of_positions(torch.tensor([[0, 1, 5]]))
+
+
+def test_shared_prompts_equal_each_sample_alone():
+    """Attention over a shared row == each (prompt + response) forwarded alone, in the
+    outputs of every token and in the gradients (the prompt's summed over its samples)."""
+    gen = torch.Generator().manual_seed(7)
+    heads, dim = 2, 8
+    prompt, responses, other = 4, [3, 1, 2], 5
+    total = prompt + sum(responses) + other
+    positions = [*range(prompt + responses[0])]
+    for r in responses[1:]:
+        positions += range(prompt, prompt + r)
+    positions += range(other)
+    layout = layout_of_positions(torch.tensor([positions]))
+
+    def leaf():
+        return torch.randn(heads, total, dim, generator=gen, dtype=torch.float64).requires_grad_()
+
+    q, k, v = leaf(), leaf(), leaf()
+    out = packed_causal_attention(q, k, v, layout)
+    probe = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * probe).sum(), (q, k, v))
+    # The reference: unshared samples, each a contiguous prompt + response, then summed.
+    seqs = _samples(layout)
+    ref_out = torch.zeros_like(out)
+    ref_loss = 0
+    for seq in seqs:
+        idx = torch.tensor(seq)
+        o = F.scaled_dot_product_attention(q[:, idx], k[:, idx], v[:, idx], is_causal=True)
+        o = o.transpose(0, 1)
+        # The shared prompt's outputs come from its first sample only.
+        keep = [j for j, t in enumerate(seq) if t not in seqs[0][:prompt] or seq is seqs[0]]
+        ref_out[idx[keep]] = o[keep].detach()
+        ref_loss = ref_loss + (o[keep] * probe[idx[keep]]).sum()
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    torch.testing.assert_close(out, ref_out)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_mismatched_lengths_are_refused():

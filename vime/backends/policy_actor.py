@@ -60,6 +60,9 @@ class PolicyTrainActor(TrainActor):
     loss_replicas: int = 1
     # Packed rows are right-padded to a multiple of this many tokens (sequence parallel).
     row_multiple: int = 1
+    # Samples of one prompt share its tokens in a row (vime.data.micro_batch): only for an
+    # attention that reads such rows (varlen_sdpa), set in init.
+    shares_prompts: bool = False
 
     # ----- backend hooks -------------------------------------------------------------------
 
@@ -189,7 +192,9 @@ class PolicyTrainActor(TrainActor):
                 value.copy_(staged)
 
     def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
-        return batch.pack(indices, pad_to_multiple_of=self.row_multiple).to(self.device)
+        return batch.pack(
+            indices, pad_to_multiple_of=self.row_multiple, share_prompts=self.shares_prompts
+        ).to(self.device)
 
     def _log_probs(
         self, logits: torch.Tensor, packed: Any, *, with_entropy: bool

@@ -37,8 +37,9 @@ class RowLayout:
     """Where the samples of one packed row of ``length`` tokens sit, grouped for attention.
 
     Each bucket is ``(index, keep)``: ``index`` ``[n, M]`` gathers n samples (each
-    padded to the bucket's longest, M) from the row; ``keep`` ``[n*M]`` marks the
-    real tokens. ``order`` ``[length]`` takes the buckets' concatenated real tokens
+    padded to the bucket's longest, M) from the row; ``keep`` lists the positions,
+    among the ``n*M``, of the tokens whose output each sample supplies (its own,
+    not a shared prefix's). ``order`` ``[length]`` takes the buckets' kept tokens
     back to row order.
     """
 
@@ -51,27 +52,41 @@ def row_layout(seq_lengths: list[int], device: torch.device | str = "cpu") -> Ro
     """The layout of a row holding samples of ``seq_lengths`` tokens, in order."""
     if not seq_lengths or min(seq_lengths) < 1:
         raise ValueError(f"a packed row needs samples of >= 1 token, got lengths {seq_lengths}")
-    starts, offset = [], 0
-    for n in seq_lengths:
-        starts.append(offset)
-        offset += n
+    lengths = torch.tensor(seq_lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return _runs_layout(starts, lengths, torch.zeros_like(lengths), starts, device)
+
+
+def _runs_layout(
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    prefix: torch.Tensor,
+    prefix_starts: torch.Tensor,
+    device: torch.device | str,
+) -> RowLayout:
+    """Run k (tokens ``starts[k]`` on, ``lengths[k]`` of them) attends to the ``prefix[k]``
+    tokens from ``prefix_starts[k]`` (a shared prompt; 0 for a whole sample), then to
+    itself causally; it supplies the output of its own tokens only."""
+    total = prefix + lengths
+    keys = [int(n - 1).bit_length() for n in total.tolist()]
     groups: dict[int, list[int]] = {}
-    for i, n in enumerate(seq_lengths):
-        groups.setdefault((n - 1).bit_length(), []).append(i)
+    for k, key in enumerate(keys):
+        groups.setdefault(key, []).append(k)
     buckets, positions = [], []
     for key in sorted(groups):
-        members = groups[key]
-        lengths = torch.tensor([seq_lengths[i] for i in members])
-        width = int(lengths.max())
+        members = torch.tensor(groups[key])
+        s, a, b = prefix[members, None], starts[members, None], prefix_starts[members, None]
+        width = int(total[members].max())
         steps = torch.arange(width)
-        index = torch.tensor([starts[i] for i in members])[:, None] + steps
-        real = steps < lengths[:, None]
+        index = torch.where(steps < s, b + steps, a + steps - s)
+        real = steps < (s + lengths[members, None])
         # Padded slots read the sample's own first token: any in-row index would do.
         index = torch.where(real, index, index[:, :1])
-        buckets.append((index.to(device), real.flatten().to(device)))
-        positions.append(index[real])
+        owned = (real & (steps >= s)).flatten().nonzero().flatten()
+        buckets.append((index.to(device), owned.to(device)))
+        positions.append(index.flatten()[owned])
     order = torch.argsort(torch.cat(positions))
-    return RowLayout(offset, tuple(buckets), order.to(device))
+    return RowLayout(int(lengths.sum()), tuple(buckets), order.to(device))
 
 
 def packed_causal_attention(
@@ -100,7 +115,10 @@ def packed_causal_attention(
         n, width = index.shape
 
         def gather(t: torch.Tensor, index: torch.Tensor = index) -> torch.Tensor:
-            return t[:, index].transpose(0, 1)  # [n, heads, M, D]
+            # index_select, not t[:, index]: its backward is an index_add, several times
+            # cheaper on the CPU than the accumulating index_put of advanced indexing.
+            picked = t.index_select(1, index.flatten())
+            return picked.view(t.shape[0], *index.shape, dim).transpose(0, 1)
 
         out = F.scaled_dot_product_attention(
             gather(query),
@@ -111,23 +129,37 @@ def packed_causal_attention(
             scale=scale,
             enable_gqa=gqa,
         )
-        parts.append(out.transpose(1, 2).reshape(n * width, heads, dim)[keep])
-    return torch.cat(parts)[layout.order]
+        parts.append(out.transpose(1, 2).reshape(n * width, heads, dim).index_select(0, keep))
+    return torch.cat(parts).index_select(0, layout.order)
 
 
-def seq_lengths_from_positions(position_ids: torch.Tensor) -> list[int]:
-    """Sample lengths of a ``[1, L]`` row: a sample starts where the position does not
-    follow the previous one (transformers' packed-sequence rule)."""
+def layout_of_positions(position_ids: torch.Tensor) -> RowLayout:
+    """The layout of a ``[1, L]`` row from its positions, by transformers' packed rule
+    (a sample starts where the position does not follow the previous one) extended to
+    shared prompts (``vime.data.micro_batch``): a run that starts at position s > 0
+    continues the latest run that started at 0, whose first s tokens it attends to."""
     if position_ids.dim() != 2 or position_ids.shape[0] != 1:
         raise ValueError(
             f"{HF_NAME} attention takes one packed row ([1, L] position_ids), got "
             f"{tuple(position_ids.shape)}; use --attn-implementation sdpa for padded batches"
         )
-    row = position_ids[0]
-    starts = torch.ones_like(row, dtype=torch.bool)
-    starts[1:] = row[1:] != row[:-1] + 1
-    bounds = torch.cat([torch.nonzero(starts).flatten(), row.new_tensor([row.shape[0]])])
-    return torch.diff(bounds).tolist()
+    row = position_ids[0].cpu()
+    begins = torch.ones_like(row, dtype=torch.bool)
+    begins[1:] = row[1:] != row[:-1] + 1
+    starts = torch.nonzero(begins).flatten()
+    lengths = torch.diff(torch.cat([starts, starts.new_tensor([row.shape[0]])]))
+    prefix = row[starts]
+    run = torch.arange(starts.shape[0])
+    roots = torch.cummax(torch.where(prefix == 0, run, -1), 0).values
+    # No run at 0 before it: a sample of its own, as transformers reads it.
+    prefix = torch.where(roots < 0, 0, prefix)
+    roots = roots.clamp(min=0)
+    if bool((prefix > lengths[roots]).any()):
+        raise ValueError(
+            f"{HF_NAME}: a run of the packed row starts at a position past the end of the "
+            "run it continues; a shared prompt comes first, at positions 0.."
+        )
+    return _runs_layout(starts, lengths, prefix, starts[roots], position_ids.device)
 
 
 class _LayoutCache:
@@ -141,11 +173,11 @@ class _LayoutCache:
         self._layout: RowLayout | None = None
 
     def get(
-        self, boundaries: torch.Tensor, lengths_of: Callable[[torch.Tensor], list[int]]
+        self, boundaries: torch.Tensor, layout_of: Callable[[torch.Tensor], RowLayout]
     ) -> RowLayout:
         key = self._key
         if key is None or key[0] is not boundaries or key[1] != boundaries._version:
-            self._layout = row_layout(lengths_of(boundaries), boundaries.device)
+            self._layout = layout_of(boundaries)
             self._key = (boundaries, boundaries._version)
         assert self._layout is not None
         return self._layout
@@ -156,7 +188,7 @@ _CACHE = _LayoutCache()
 
 def layout_of_cu_seqlens(cu_seqlens: torch.Tensor) -> RowLayout:
     """The (cached) layout of a row whose runs end at ``cu_seqlens[1:]`` (``[0, n₀, ...]``)."""
-    return _CACHE.get(cu_seqlens, lambda cu: torch.diff(cu).tolist())
+    return _CACHE.get(cu_seqlens, lambda cu: row_layout(torch.diff(cu).tolist(), cu.device))
 
 
 def _hf_attention(
@@ -178,7 +210,7 @@ def _hf_attention(
         raise ValueError(
             f"{HF_NAME} attention has no sliding window; use --attn-implementation sdpa"
         )
-    layout = _CACHE.get(position_ids, seq_lengths_from_positions)
+    layout = _CACHE.get(position_ids, layout_of_positions)
     out = packed_causal_attention(query[0], key[0], value[0], layout, scaling, dropout)
     return out.unsqueeze(0), None
 

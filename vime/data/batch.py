@@ -43,14 +43,18 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def pack(self, indices: Sequence[int], pad_to_multiple_of: int = 1) -> PackedBatch:
+    def pack(
+        self, indices: Sequence[int], pad_to_multiple_of: int = 1, share_prompts: bool = False
+    ) -> PackedBatch:
         """The packed row of samples ``indices`` (one planned micro-batch), right-padded
-        to a multiple of ``pad_to_multiple_of`` tokens (sequence parallel splits rows)."""
+        to a multiple of ``pad_to_multiple_of`` tokens (sequence parallel splits rows);
+        with ``share_prompts`` each distinct prompt in it once (``vime.data.micro_batch``)."""
         return pack_micro_batch(
             [self.tokens[i] for i in indices],
             [self.prompt_lengths[i] for i in indices],
             [self.loss_masks[i] for i in indices],
             pad_to_multiple_of=pad_to_multiple_of,
+            share_prompts=share_prompts,
         )
 
     def advantages_of(self, indices: Sequence[int]) -> torch.Tensor:

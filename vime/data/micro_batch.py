@@ -17,6 +17,23 @@ of ``position_ids`` -- but only when no KV cache is built, so every training or
 log-prob forward must pass ``use_cache=False`` (with a cache, packed samples
 silently attend to each other). Padding sits after every sample and forms its
 own position run, so under causal attention it cannot affect any sample.
+
+Shared prompts (``share_prompts=True``): samples of one group repeat the same
+prompt, and on short responses the prompt is most of the row (the embedded
+default's 6-token prompts against ~7-token responses). A shared row holds each
+distinct prompt once, followed by its first sample's response; every further
+response of that prompt follows as a run of its own whose positions continue
+the prompt's (``p..p+r-1``, not ``0..``)::
+
+    input_ids     [1, L]   prompt | resp₀ | resp₁ | resp₂ | next prompt | ...
+    position_ids  [1, L]   0..p-1 | p..   | p..   | p..   | 0..          | ...
+
+The rule that reads it back (``vime.backends.varlen_attention``): a run starting
+at position s > 0 continues the latest run that started at 0 and attends to its
+first s tokens. Every token is then computed once, the gradient of the prompt is
+the sum over its samples (as it is unshared, up to float rounding), and
+``cu_seqlens`` no longer describes the attention: only an attention that knows
+the rule can forward a shared row (the fsdp2 backend's ``varlen_sdpa``).
 """
 
 from __future__ import annotations
@@ -49,6 +66,11 @@ class PackedBatch:
     loss_mask: torch.Tensor  # [B, T] float32
     max_seqlen: int  # longest sample (for varlen attention kernels)
     pad_length: int  # padding tokens at the end of the row
+    # Row index of each sample's first response token, and of its prompt's last token
+    # (they are adjacent unless the row shares prompts).
+    response_starts: torch.Tensor  # [B] long
+    prompt_ends: torch.Tensor  # [B] long
+    shares_prompts: bool = False  # some prompt serves several samples (module docstring)
 
     @property
     def num_samples(self) -> int:
@@ -62,6 +84,11 @@ class PackedBatch:
         """``cu_seqlens`` over every position run of the row: the samples, then the
         padding run when there is one -- the boundaries of attention that restarts
         per run (it covers the whole row, so no position is left unattended)."""
+        if self.shares_prompts:
+            raise ValueError(
+                "a row with shared prompts has no per-sample runs; pack it with "
+                "share_prompts=False for an attention that takes cu_seqlens"
+            )
         if self.pad_length == 0:
             return self.cu_seqlens
         end = self.cu_seqlens.new_tensor([self.row_length])
@@ -96,12 +123,15 @@ def pack_micro_batch(
     prompt_lengths: Sequence[int],
     loss_masks: Sequence[Sequence[int]] | None = None,
     pad_to_multiple_of: int = 1,
+    share_prompts: bool = False,
 ) -> PackedBatch:
     """Concatenate samples (prompt + response token ids) into one padding-free row.
 
     ``prompt_lengths[i]`` splits ``token_ids[i]`` into prompt and response;
     ``loss_masks[i]`` (one 0/1 per response token) defaults to all ones. The
     row is right-padded with token 0 to a multiple of ``pad_to_multiple_of``.
+    With ``share_prompts`` samples whose prompts are equal share one copy of it
+    (module docstring); the ``[B, ...]`` fields keep the order of ``token_ids``.
     """
     if len(prompt_lengths) != len(token_ids):
         raise ValueError(f"{len(token_ids)} samples but {len(prompt_lengths)} prompt_lengths")
@@ -128,19 +158,45 @@ def pack_micro_batch(
     if not torch.all((loss_mask == 0) | (loss_mask == 1)):
         raise ValueError("loss masks must be 0/1")
 
-    used = sum(lengths)
+    # The row as runs of (sample, first token, tokens): a whole sample, or under
+    # share_prompts the response of a sample whose prompt is already in the row. A
+    # prompt's samples sit together (its first one, then the others): a run that
+    # continues a prompt reads it from the latest run that starts at position 0.
+    owners: dict[tuple[int, ...], list[int]] = {}
+    for i, ids in enumerate(token_ids):
+        key = tuple(ids[: prompt_lengths[i]]) if share_prompts else (i,)
+        owners.setdefault(key, []).append(i)
+    runs: list[tuple[int, int, int]] = []
+    prompt_ends = [0] * batch_size
+    response_starts = [0] * batch_size
+    offset = 0
+    for owner, *others in owners.values():
+        runs.append((owner, 0, lengths[owner]))
+        prompt_ends[owner] = offset + prompt_lengths[owner] - 1
+        response_starts[owner] = offset + prompt_lengths[owner]
+        offset += lengths[owner]
+        for i in others:
+            runs.append((i, prompt_lengths[i], responses[i]))
+            prompt_ends[i] = prompt_ends[owner]
+            response_starts[i] = offset
+            offset += responses[i]
+    shared = any(first > 0 for _, first, _ in runs)
+    used = offset
     # An empty micro-batch still needs a token to forward (see PackedBatch).
     row = max(used, 1)
     row = -(-row // pad_to_multiple_of) * pad_to_multiple_of
-    seq_lengths = torch.tensor([*lengths, row - used], dtype=torch.long)
-    starts = torch.cumsum(seq_lengths, 0) - seq_lengths
-    # Position = offset inside its own run: samples and the padding run all restart at 0.
-    position_ids = torch.arange(row) - torch.repeat_interleave(starts, seq_lengths)
+    run_lengths = torch.tensor([n for *_, n in runs] + [row - used], dtype=torch.long)
+    first_positions = torch.tensor([first for _, first, _ in runs] + [0], dtype=torch.long)
+    starts = torch.cumsum(run_lengths, 0) - run_lengths
+    # Position = offset inside its own sample: each run restarts at its first token's.
+    shift = torch.repeat_interleave(starts - first_positions, run_lengths)
+    position_ids = torch.arange(row) - shift
     input_ids = torch.zeros(row, dtype=torch.long)
     if used:
-        input_ids[:used] = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
+        flat = [t for i, first, _ in runs for t in token_ids[i][first:]]
+        input_ids[:used] = torch.tensor(flat, dtype=torch.long)
     cu_seqlens = torch.zeros(batch_size + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(seq_lengths[:batch_size], 0)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
     return PackedBatch(
         input_ids=input_ids.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
@@ -150,6 +206,9 @@ def pack_micro_batch(
         loss_mask=loss_mask,
         max_seqlen=max(lengths, default=0),
         pad_length=row - used,
+        response_starts=torch.tensor(response_starts, dtype=torch.long),
+        prompt_ends=torch.tensor(prompt_ends, dtype=torch.long),
+        shares_prompts=shared,
     )
 
 
@@ -204,10 +263,11 @@ def response_log_probs(
             f"logits {tuple(logits.shape)} do not match a packed row of {batch.row_length} tokens"
         )
     sample, step = batch.loss_mask.nonzero(as_tuple=True)  # [N] each
-    response_start = batch.cu_seqlens[:-1].long() + batch.prompt_lengths
-    token_pos = response_start[sample] + step
-    # Causal LM: the token at position p is predicted by the logits at p - 1.
-    picked = logits.index_select(0, token_pos - 1)
+    token_pos = batch.response_starts[sample] + step
+    # Causal LM: the token at position p is predicted by the logits at p - 1; the first
+    # response token by the prompt's last token (elsewhere in the row when shared).
+    before = torch.where(step == 0, batch.prompt_ends[sample], token_pos - 1)
+    picked = logits.index_select(0, before)
     picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
     if temperature != 1.0:
         picked = picked / temperature

@@ -29,6 +29,7 @@ from transformers import AutoConfig
 
 from vime import checkpoint
 from vime import device as vime_device
+from vime.backends import varlen_attention
 from vime.backends.fsdp2 import model as fsdp_model
 from vime.backends.policy_actor import PolicyTrainActor
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
@@ -51,16 +52,16 @@ class FSDP2Actor(PolicyTrainActor):
         # The checkpoint's own config: its dtype is what engines and --save-hf receive. The
         # model's config cannot serve, it says float32 (the master weights it was built in).
         self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        attn = fsdp_model.resolve_attn_implementation(
+            args.attn_implementation, self.device, param_dtype, self.hf_config
+        )
+        # Per-sample attention reads rows whose samples share their prompt (computed once).
+        self.shares_prompts = attn == varlen_attention.HF_NAME
         self.model = fsdp_model.load_sharded_model(
             args.hf_checkpoint,
             mesh=mesh,
             device=self.device,
-            attn_implementation=fsdp_model.resolve_attn_implementation(
-                args.attn_implementation,
-                self.device,
-                param_dtype,
-                self.hf_config,
-            ),
+            attn_implementation=attn,
             shard_kwargs={
                 "block_classes": args.fsdp_block_classes,
                 "param_dtype": param_dtype,
