@@ -198,15 +198,15 @@ def build_reward_scorer(args: Any, task_reward: TaskReward | None = None) -> Rew
     rule = {"math": math_reward, "exact": exact_reward, "task": task_reward}[source]
     assert rule is not None
 
-    async def call(sample: RewardInput) -> Any:
+    def call(sample: RewardInput) -> Any:
         # Every rule compares with the label; without one math_reward would match a
         # response that says "None".
         if sample.label is None:
             raise RewardError(_NO_LABEL)
-        # Rule-based rewards are cheap: run inline, a thread hop would cost more.
         return rule(sample.response, sample.label)
 
-    return RewardScorer(source, sample_fn=call)
+    # Rule-based rewards are cheap: a plain loop, no event loop, thread or timeout.
+    return RewardScorer(source, inline_fn=call)
 
 
 # ---------------------------------------------------------------- calling
@@ -324,13 +324,14 @@ class RewardScorer:
         *,
         sample_fn: _AsyncCall | None = None,
         group_fn: _AsyncCall | None = None,
+        inline_fn: Callable[[RewardInput], Any] | None = None,
         timeout: float | None = None,
         threads: _Threads | None = None,
     ) -> None:
-        if (sample_fn is None) == (group_fn is None):
-            raise ValueError("give exactly one of sample_fn and group_fn")
+        if sum(fn is not None for fn in (sample_fn, group_fn, inline_fn)) != 1:
+            raise ValueError("give exactly one of sample_fn, group_fn and inline_fn")
         self.name = name
-        self._sample_fn, self._group_fn = sample_fn, group_fn
+        self._sample_fn, self._group_fn, self._inline_fn = sample_fn, group_fn, inline_fn
         self._timeout, self._threads = timeout, threads
         self.last_total = 0
         self.last_failure_count = 0
@@ -349,8 +350,29 @@ class RewardScorer:
             return str(err)
         return f"raised {type(err).__name__}: {err}"[:300]
 
+    def _score_inline(self, samples: list[RewardInput]) -> list[float | None]:
+        """``inline_fn`` over ``samples`` in this thread: what ``score`` does, less the
+        concurrency a cheap rule does not need (its cost would be most of the scoring)."""
+        assert self._inline_fn is not None
+        rewards: list[float | None] = [None] * len(samples)
+        failures: list[str] = []
+        for i, sample in enumerate(samples):
+            try:
+                rewards[i] = _as_reward(self._inline_fn(sample))
+            except Exception as err:
+                failures.append(f"sample {i}: {self._describe(err)}")
+        self._record(rewards, failures)
+        return rewards
+
+    def _record(self, rewards: list[float | None], failures: list[str]) -> None:
+        self.last_total = len(rewards)
+        self.last_failure_count = sum(r is None for r in rewards)
+        self.last_failures = failures[:MAX_KEPT_FAILURES]
+
     async def score(self, samples: list[RewardInput]) -> list[float | None]:
         """One reward per sample, in order; None where scoring failed (never raises)."""
+        if self._inline_fn is not None:
+            return self._score_inline(samples)
         rewards: list[float | None] = [None] * len(samples)
         failures: list[tuple[int, str]] = []
         # Made per call: an asyncio.Semaphore belongs to the loop that first uses it.
@@ -387,9 +409,7 @@ class RewardScorer:
                 groups.setdefault(sample.group, []).append(i)
             await asyncio.gather(*(group(g, members) for g, members in groups.items()))
         failures.sort()
-        self.last_total = len(samples)
-        self.last_failure_count = sum(r is None for r in rewards)
-        self.last_failures = [message for _, message in failures[:MAX_KEPT_FAILURES]]
+        self._record(rewards, [message for _, message in failures])
         return rewards
 
     def score_sync(self, samples: list[RewardInput]) -> list[float | None]:
@@ -400,6 +420,8 @@ class RewardScorer:
         loop in a helper thread and this call blocks that loop until it is
         done, so async code should ``await score(...)`` instead.
         """
+        if self._inline_fn is not None:
+            return self._score_inline(samples)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
