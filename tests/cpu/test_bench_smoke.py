@@ -4,8 +4,9 @@ Proves: the bench runs end to end at a tiny size for each backend (both paths
 build, train one step and report), prints the side-by-side table, and both paths' first step
 gives the same loss and grad norm (the bench's own check, exit status 0). Also
 that vime's packed rows forward no padding while the naive rows do; and that the
-idle-engine and engine-update benches run and report. No timing is asserted: the
-figures depend on the machine and its load.
+idle-engine and engine-update benches run and report, and that the vime-vs-TRL bench
+runs both trainers on the same prompt ids and weights (where TRL is installed). No
+timing is asserted: the figures depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -93,3 +94,35 @@ def test_engine_update_bench_smoke(engine: str, tmp_path: Path) -> None:
     assert figures["engine"] == engine and figures["buckets"] == 4 + 3  # embed, layers, rest
     assert figures["one_call_s"] > 0 and figures["broadcast_s"] > 0
     assert "ratio broadcast/one call:" in result.stdout
+
+
+def test_vs_trl_bench_smoke(tmp_path: Path) -> None:
+    """``bench/vs_trl.py --smoke`` (needs TRL): vime-train and TRL's GRPOTrainer each run
+    3 steps of the same work one after the other, eval after step 2; the table and the
+    ratio print, and both sides saw the same prompt ids and initial weights (the bench's
+    own check, exit status 0)."""
+    pytest.importorskip("trl")
+    out = tmp_path / "vs_trl.json"
+    result = _run_bench("vs_trl.py", ["--smoke", "--json", str(out)], timeout=600)
+    lines = result.stdout.splitlines()
+    for prefix in (
+        "vime vs TRL bench: size embedded (smoke)",
+        "machine:",
+        "prompt ids:",
+        "initial weights: same file on both sides: ok",
+        "vime hf ",
+        "TRL ",
+        "ratio vime/TRL (vime hf): throughput",
+    ):
+        assert any(line.startswith(prefix) for line in lines), (prefix, result.stdout)
+    assert any(line.startswith("prompt ids:") and line.endswith(": ok") for line in lines)
+
+    figures = json.loads(out.read_text())
+    assert figures["prompt_check"]["match"] and figures["same_weights"]
+    for name in ("vime hf", "TRL"):
+        steps = figures["runs"][name]["steps"]
+        assert len(steps) == 3
+        assert [s["eval_acc"] is not None for s in steps] == [False, True, False]
+        row = figures["rows"][name]
+        assert row["step_s"] > 0 and row["gen_tok_s"] > 0 and row["startup_s"] > 0
+    assert figures["ratios"]["vime hf"]["throughput"] > 0
