@@ -57,6 +57,7 @@ class _Group:
     prompt_ids: list[int]
     completions: list[Completion]
     rewards: list[float | None]
+    responses: list[str]  # as the reward saw them (``RolloutManager.decode``)
 
 
 def rollout_seed(seed: int, rollout_id: int, round_index: int = 0) -> int:
@@ -189,21 +190,28 @@ class RolloutManager:
     def _score(
         self, prompts: Sequence[Prompt], completions: list[list[Completion]]
     ) -> list[_Group]:
+        texts = self.decode_all([c.response_ids for group in completions for c in group])
+        n = len(completions[0]) if completions else 0
         inputs = [
             RewardInput(
                 prompt=self._prompt_text(p),
-                response=self.decode(c.response_ids),
+                response=texts[g * n + j],
                 label=p.label,
                 metadata=p.metadata,
                 group=g,
             )
             for g, (p, group) in enumerate(zip(prompts, completions, strict=True))
-            for c in group
+            for j in range(len(group))
         ]
         rewards = self.scorer.score_sync(inputs)
-        n = len(completions[0]) if completions else 0
         return [
-            _Group(p, self.prompt_ids[p.index], group, rewards[g * n : (g + 1) * n])
+            _Group(
+                p,
+                self.prompt_ids[p.index],
+                group,
+                rewards[g * n : (g + 1) * n],
+                texts[g * n : (g + 1) * n],
+            )
             for g, (p, group) in enumerate(zip(prompts, completions, strict=True))
         ]
 
@@ -218,10 +226,15 @@ class RolloutManager:
         """The response as the reward sees it: the final stop token removed, every other
         token kept, special ones included. Skipping special tokens would make them free
         filler: a policy learns to pad wrong answers with them instead of stopping."""
-        ids = list(ids)
-        if ids and ids[-1] in self.stop_token_ids:
-            ids.pop()
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.decode_all([ids])[0]
+
+    def decode_all(self, responses: Sequence[Sequence[int]]) -> list[str]:
+        """``decode`` of each of ``responses``, in one tokenizer call."""
+        trimmed = [
+            list(ids[:-1]) if ids and ids[-1] in self.stop_token_ids else list(ids)
+            for ids in responses
+        ]
+        return self.tokenizer.batch_decode(trimmed, skip_special_tokens=False)
 
     def _to_batch(self, groups: list[_Group]) -> RolloutBatch:
         n = self.args.n_samples_per_prompt
@@ -257,11 +270,7 @@ class RolloutManager:
         return RolloutBatch(tokens, prompt_lengths, masks, advs, rollout_log_probs=logps)
 
     def _correct(self, groups: list[_Group]) -> list[bool]:
-        return [
-            bool(self.is_correct(self.decode(c.response_ids), g.prompt.label))
-            for g in groups
-            for c in g.completions
-        ]
+        return [bool(self.is_correct(text, g.prompt.label)) for g in groups for text in g.responses]
 
     # ----- evaluation ----------------------------------------------------------------------
 
