@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from vime.config import Config, ConfigError, parse_args
+
+# The start-up figure's origin where /proc does not say when the process started
+# (vime.perf.process_start_time), or main() is called with its own argv.
+_IMPORTED_AT = time.time()
 
 
 def _describe(config: Config) -> str:
@@ -69,13 +74,16 @@ def _main(argv: Sequence[str] | None) -> int:
     print(f"vime-train: configuration is valid: {_describe(config)}", flush=True)
     if config.dry_run:
         return 0
+    from vime.perf import process_start_time
     from vime.ray.placement import ActorFailure, Terminated
     from vime.tracking import default_output_dir
     from vime.trainer import run
 
     config = config.replace(output_dir=config.output_dir or default_output_dir())
+    # The start-up figure counts from the process's start (the console script's).
+    launched_at = (process_start_time() if argv is None else None) or _IMPORTED_AT
     try:
-        summary = run(config)
+        summary = run(config, launched_at=launched_at)
     except ConfigError as err:
         print(f"vime-train: error: {err}", file=sys.stderr)
         return 2

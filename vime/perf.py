@@ -42,12 +42,18 @@ held to the bf16 peak) and otherwise measured at start-up by
 :func:`measure_matmul_flops`: the best rate of a square matmul on the rank's own
 device and threads (fp32 on the CPU, bf16 on an unknown GPU), with the other ranks
 measuring at the same time, as they train.
+
+Start-up (:class:`StartupClock`): the wall time from the ``vime-train`` process's start
+(:func:`process_start_time`) to the start of the first rollout, with the parts it
+took (imports, model, Ray, training ranks, engines, ...); the training ranks and the
+engines start at the same time unless ``--colocate`` makes them take turns.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import time
 from collections.abc import Sequence
@@ -194,3 +200,87 @@ def rank_peak(device: Any) -> Peak:
     threads = torch.get_num_threads()
     flops = measure_matmul_flops(device, torch.float32)
     return Peak(flops, f"measured: fp32 matmul on the CPU, {threads} thread(s) per rank")
+
+
+def process_start_time() -> float | None:
+    """When this process started, as a ``time.time()`` value, or None where ``/proc`` does
+    not say (not Linux). Its age is the system's uptime less the process's start time in
+    clock ticks after boot (``/proc/self/stat`` field 22): exact to a tick (10 ms)."""
+    try:
+        with open("/proc/self/stat") as f:
+            # The command name (field 2) may hold spaces: fields 3 on follow its ")".
+            started_ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - age if age >= 0 else None
+
+
+@dataclass(frozen=True)
+class Startup:
+    """A run's start-up: ``total_s`` from launch to the first rollout, and the seconds of
+    its ``parts`` in the order they began; ``parallel`` names parts that ran at the same
+    time (so the parts may add up to more than the whole, never one part)."""
+
+    total_s: float
+    parts: dict[str, float]
+    parallel: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        """``started in 7.9 s (launch 1.1, ..., trainer 3.1 and engines 2.9 in parallel)``"""
+        shown: list[str] = []
+        for name, seconds in self.parts.items():
+            if name not in self.parallel:
+                shown.append(f"{name} {seconds:.1f}")
+            elif name == self.parallel[0]:
+                together = " and ".join(f"{n} {self.parts[n]:.1f}" for n in self.parallel)
+                shown.append(f"{together} in parallel")
+        return f"started in {self.total_s:.1f} s ({', '.join(shown)})"
+
+    def metrics(self) -> dict[str, float]:
+        """``perf/startup_s`` and ``perf/startup_<part>_s``: the first rollout's line."""
+        out = {"perf/startup_s": self.total_s}
+        out.update({f"perf/startup_{name}_s": s for name, s in self.parts.items()})
+        return out
+
+    def summary(self) -> dict[str, object]:
+        """``startup_s`` and ``startup_parts_s`` ({part: seconds}): summary.json's."""
+        return {"startup_s": self.total_s, "startup_parts_s": dict(self.parts)}
+
+
+class StartupClock:
+    """Times a run's start-up from ``launched_at`` (a ``time.time()`` value: the
+    process's start, see :func:`process_start_time`) or, without it, from the clock's
+    creation; with it, the time until the clock is made is the part ``launch`` (the
+    interpreter, the imports, the flags). Parts are laps between marks (``mark``) or
+    timed elsewhere (``add``); ``parallel`` names those that ran at the same time."""
+
+    def __init__(self, launched_at: float | None = None) -> None:
+        now = time.time()
+        self.launched_at = now if launched_at is None or launched_at > now else launched_at
+        self.parts: dict[str, float] = {}
+        self.parallel: tuple[str, ...] = ()
+        self._mark = now
+        if launched_at is not None:
+            self.add("launch", now - self.launched_at)
+
+    def lap(self) -> float:
+        """Seconds since the last mark (or the clock's creation); the mark moves to now."""
+        now = time.time()
+        seconds, self._mark = now - self._mark, now
+        return seconds
+
+    def mark(self, name: str) -> None:
+        """Part ``name`` took the time since the last mark (added to what it had)."""
+        self.add(name, self.lap())
+
+    def add(self, name: str, seconds: float) -> None:
+        self.parts[name] = self.parts.get(name, 0.0) + max(0.0, seconds)
+
+    def done(self) -> Startup:
+        """The start-up until now (the first rollout starts)."""
+        parallel = tuple(n for n in self.parallel if n in self.parts)
+        total = time.time() - self.launched_at
+        return Startup(total, dict(self.parts), parallel if len(parallel) > 1 else ())

@@ -185,6 +185,8 @@ class Tracker:
         self._started = time.monotonic()
         self._finished = False
         self._plot_path: str | None = None
+        self._once: dict[str, Any] = {}  # metrics for the next line only (log_once)
+        self._summary: dict[str, Any] = {}  # summary.json entries known early (summarize)
 
         # Fail on a missing wandb before anything is written, so a typo'd
         # setup leaves no half-made run folder behind.
@@ -258,7 +260,8 @@ class Tracker:
         if self._file is None:
             raise RuntimeError("Tracker.log called after finish()")
         record: dict[str, Any] = {"rollout_id": rollout_id}
-        record.update({key: _clean(value) for key, value in metrics.items()})
+        record.update({key: _clean(value) for key, value in {**metrics, **self._once}.items()})
+        self._once = {}
         # fsync per line: a rollout costs seconds, and a crash must not lose
         # the metrics of rollouts whose checkpoint already survived.
         self._file.write(json.dumps(record, allow_nan=False, default=str) + "\n")
@@ -283,6 +286,16 @@ class Tracker:
             self._step_times.append(step_time)
         self._last_log_time = now
         self._draw(self.progress_text(rollout_id, record))
+
+    def log_once(self, metrics: dict[str, float]) -> None:
+        """Add ``metrics`` to the next line :meth:`log` writes, and to no other (a one-off
+        figure such as the run's start-up time, on its first line)."""
+        self._once.update(metrics)
+
+    def summarize(self, entries: dict[str, Any]) -> None:
+        """Entries for summary.json, written by :meth:`finish` whenever the run ends (an
+        interrupted or failed run's summary has them too); ``finish``'s own win."""
+        self._summary.update(entries)
 
     def progress_text(self, rollout_id: int, metrics: dict[str, Any]) -> str:
         """The one-line progress summary; parts whose metric is missing are left out."""
@@ -370,6 +383,7 @@ class Tracker:
                 "plot": self._plot_path,
             }
         )
+        merged.update({key: _clean(value) for key, value in self._summary.items()})
         merged.update({key: _clean(value) for key, value in (summary or {}).items()})
         _write_atomic(
             summary_path, json.dumps(merged, indent=2, allow_nan=False, default=str) + "\n"

@@ -52,9 +52,13 @@ EMBEDDED_MODEL_DIR = "embedded_model"
 TRACE_FILE = "trace.json"
 
 
-def run(args: Config) -> dict[str, Any]:
+def run(args: Config, *, launched_at: float | None = None) -> dict[str, Any]:
     """Train as ``args`` (from ``parse_args(argv, for_run=True)``) says; returns the final
     summary (also in ``summary.json``).
+
+    The start-up (``perf/startup_s`` on the first metrics line, ``startup_s`` in the
+    summary) counts from ``launched_at`` (``time.time()`` when the process started, as
+    ``vime-train`` passes it), or from this call.
 
     A run that fails while it is being set up (bad data, an unreachable cluster)
     removes the output folder it created, so a failed start leaves nothing behind.
@@ -66,7 +70,7 @@ def run(args: Config) -> dict[str, Any]:
     args = args.replace(output_dir=args.output_dir or default_output_dir())
     created = not os.path.exists(args.output_dir)
     try:
-        session = Run(args)
+        session = Run(args, perf.StartupClock(launched_at))
     except BaseException:
         if created:
             shutil.rmtree(args.output_dir, ignore_errors=True)
@@ -88,7 +92,9 @@ def run(args: Config) -> dict[str, Any]:
 class Run:
     """One training run: owns the Ray actors, the data position and the tracker."""
 
-    def __init__(self, args: Config) -> None:
+    def __init__(self, args: Config, startup: perf.StartupClock | None = None) -> None:
+        # The start-up's parts, timed as they run (reported when the first rollout starts).
+        self.startup = startup = startup or perf.StartupClock()
         output_dir = args.output_dir or default_output_dir()
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
@@ -125,6 +131,7 @@ class Run:
             )
             self.dropped["data/eval_prompts_dropped"] = float(eval_dropped)
         self.scorer = build_reward_scorer(args, self.task.reward if self.task else None)
+        startup.mark("model")  # the checkpoint, the tokenizer, the prompts, the reward
 
         start_ray(args.ray_address, layout_of(args, use_gpu=False).num_bundles)
         # The cluster's devices, not this driver's: a driver on a CPU-only head node still
@@ -137,9 +144,11 @@ class Run:
         check_cluster_devices(args, use_gpu, lacking)
         layout = layout_of(args, use_gpu)
         self.placement = reserve(layout)
+        startup.mark("ray")
         threads = max(1, (os.cpu_count() or 1) // max(1, args.actor_num_gpus_per_node))
         self.train_group = RayTrainGroup(args.train_backend, self.placement)
         self.start_rollout = self.train_group.init(args, threads)
+        startup.mark("trainer")
         engine_options = {
             "num_threads": os.cpu_count() or 1,
             "tensor_parallel_size": args.rollout_num_gpus_per_engine,
@@ -156,6 +165,7 @@ class Run:
             colocate=args.colocate,
         )
         self.engines = self.turns.engines
+        startup.mark("engines")
         engines = f"{self.engines.kind} ({self.engines.reason}), {layout.num_engines} engine(s)"
         self.log(f"vime: rollout engine {engines}")
         # The driver's phases, the reward's among them (timed where the manager calls it).
@@ -175,6 +185,7 @@ class Run:
         self.transport = weight_transport(args, use_gpu)
         if self.transport == "broadcast":
             self.train_group.setup_broadcast(self.engines, "nccl" if use_gpu else "gloo")
+        startup.mark("other")
         self.timing = StepTiming(
             self.train_group,
             self.engines,
@@ -184,6 +195,7 @@ class Run:
             profile_rollouts=args.profile_rollouts,
             trace_path=os.path.join(output_dir, TRACE_FILE),
         )
+        startup.mark("peak")
         peak = f"{self.timing.peak_flops / 1e9:.3g} GFLOP/s"
         self.log(f"vime: training peak {peak} over all ranks ({self.timing.peak_source})")
         self.tracker = Tracker(
@@ -203,8 +215,11 @@ class Run:
     def train(self) -> dict[str, Any]:
         args = self.args
         if self.start_rollout > 0:  # the engines start from the HF checkpoint, not the resume
+            self.startup.mark("other")
             self.turns.weight_sync()
             self.sync_weights(self.start_rollout)
+            self.startup.mark("sync")
+        self._started()
         for rollout_id in range(self.start_rollout, args.num_rollout):
             try:
                 metrics = self.step(rollout_id)
@@ -295,6 +310,15 @@ class Run:
         return {"weights/version": float(version)}
 
     # ----- pieces --------------------------------------------------------------------------
+
+    def _started(self) -> None:
+        """The first rollout starts: say how long the start-up took, and put it on the
+        first metrics line and in the summary."""
+        self.startup.mark("other")
+        startup = self.startup.done()
+        self.log(f"vime: {startup.line()}")
+        self.tracker.log_once(startup.metrics())
+        self.tracker.summarize(startup.summary())
 
     def _prompts(self, args: Config, spec: str) -> tuple[list, dict[int, list[int]], int]:
         prompts = load_prompts(

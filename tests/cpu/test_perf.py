@@ -5,12 +5,16 @@ that N read from a checkpoint's safetensors headers is the weights torch's own F
 counter sees multiplying activations (untied: the input table excluded; tied: the
 table counted once, as the head), that the train count is (3 + log-prob passes) ×
 forward, that the declared table picks the most specific GPU name, and that the CPU
-peak is measured, finite and positive.
+peak is measured, finite and positive. The start-up clock dates this process's start
+from /proc, times its parts as laps, and says which ran in parallel.
 """
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +85,41 @@ def test_unknown_devices_have_no_declared_peak_and_the_cpu_is_measured() -> None
     peak = perf.rank_peak("cpu")
     assert peak.source.startswith("measured: fp32 matmul on the CPU")
     assert math.isfinite(peak.flops_per_s) and peak.flops_per_s > 0
+
+
+def test_process_start_time_is_when_the_process_started() -> None:
+    """A child process dates its own start between the parent's clock readings around
+    spawning it (to a clock tick: 10 ms)."""
+    if perf.process_start_time() is None:
+        pytest.skip("no /proc here")
+    before = time.time()
+    child = subprocess.run(
+        [sys.executable, "-c", "from vime.perf import process_start_time as p; print(p())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    after = time.time()
+    assert before - 0.02 <= float(child.stdout) <= after
+
+
+def test_startup_parts_are_laps_and_the_line_joins_the_parallel_ones() -> None:
+    clock = perf.StartupClock(launched_at=time.time() - 2.0)
+    clock.mark("model")
+    clock.add("trainer", 3.0)
+    clock.add("engines", 2.5)
+    clock.parallel = ("trainer", "engines")
+    clock.mark("other")
+    startup = clock.done()
+    assert list(startup.parts) == ["launch", "model", "trainer", "engines", "other"]
+    assert 2.0 <= startup.parts["launch"] <= startup.total_s
+    assert startup.total_s == pytest.approx(sum(startup.parts.values()) - 5.5, abs=0.05)
+    line = startup.line()
+    assert line.startswith(f"started in {startup.total_s:.1f} s (launch 2.0, model 0.0, ")
+    assert "trainer 3.0 and engines 2.5 in parallel, other 0.0)" in line
+    assert startup.metrics()["perf/startup_s"] == startup.total_s
+    assert startup.metrics()["perf/startup_engines_s"] == 2.5
+    assert startup.summary() == {"startup_s": startup.total_s, "startup_parts_s": startup.parts}
+    # No launch time given: the clock's creation is the origin, and there is no launch part.
+    assert "launch" not in perf.StartupClock().done().parts
+    assert perf.StartupClock(time.time() + 60).done().total_s < 1.0  # a clock gone wrong

@@ -9,7 +9,8 @@ scalars, that --use-wandb without wandb is a ConfigError that leaves nothing
 behind, and that with wandb (offline mode, no network) the rollouts' metrics
 land in the W&B run and a resumed run continues the same W&B run id. The plot's
 reward band stays within each rollout's observed min and max reward, and its time
-panel has one series per driver phase logged.
+panel has one series per driver phase logged. A one-off metric (the start-up time)
+lands on the next line only, and entries given early reach summary.json.
 """
 
 from __future__ import annotations
@@ -183,6 +184,24 @@ def test_finish_writes_summary_and_a_png_covering_a_resumed_run(tmp_path: Path) 
     assert summary["rollouts_logged"] == 6  # the plot's source spans both sessions
     assert summary["status"] == "ok"  # written by the first session, merged by the second
     assert second.finish() == png  # idempotent
+
+
+def test_one_off_metrics_go_on_the_next_line_and_early_entries_in_the_summary(
+    tmp_path: Path,
+) -> None:
+    """``log_once`` (the start-up time) lands on the next line only; ``summarize`` reaches
+    summary.json however the run ends, under what ``finish`` itself is given."""
+    tracker = Tracker(str(tmp_path), num_rollouts=3, stream=io.StringIO())
+    tracker.log_once({"perf/startup_s": 7.5})
+    tracker.summarize({"startup_s": 7.5, "startup_parts_s": {"ray": 1.5}, "status": "early"})
+    for i in range(2):
+        tracker.log(i, {"rollout/reward_mean": 0.5})
+    tracker.finish({"status": "interrupted"})
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert rows[0]["perf/startup_s"] == 7.5 and "perf/startup_s" not in rows[1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["startup_s"] == 7.5 and summary["startup_parts_s"] == {"ray": 1.5}
+    assert summary["status"] == "interrupted"
 
 
 def test_reward_band_stays_within_the_observed_rewards() -> None:

@@ -9,7 +9,9 @@ plot and the final eval land in the output folder. A run resumed from the
 checkpoint of rollout 1 (colocated: training asleep from the start, the loaded
 weights synced first) redoes rollout 2 exactly as the uninterrupted run did
 (same samples, same loss): sampling is seeded by run seed and rollout id, and
-the data position is part of the checkpoint. Each metrics line has the step's time
+the data position is part of the checkpoint. The start-up (process start to first
+rollout) and its parts are on the first metrics line, in summary.json and on the
+console. Each metrics line has the step's time
 per driver phase (summing to the step), idle fractions, the weight bytes each engine
 received (the checkpoint's, in full) and the train phase's MFU. A run whose training
 is made slow (a loss that sleeps) shows the engine idle for most of the step and the
@@ -179,6 +181,27 @@ def test_three_rollouts_log_every_metric_and_advance_the_weights(full_run: Path)
         assert all(0.0 <= row[k] <= 1.0 for k in REQUIRED if "_frac" in k)
         assert row["perf/weight_sync_bytes"] == 4 * weights  # fp32, the whole set
     assert "perf/eval_tokens_per_s" in rows[1] and "perf/eval_tokens_per_s" not in rows[0]
+
+
+def test_startup_time_is_on_the_first_line_in_the_summary_and_the_console(
+    full_run: Path,
+) -> None:
+    """From the process's start to the first rollout, with its parts: each positive and
+    within the whole, and the sequential ones (all but the shorter of the training ranks
+    and the engines, which start together) adding up to no more than the whole."""
+    out = full_run / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    total, parts = summary["startup_s"], summary["startup_parts_s"]
+    assert {"launch", "model", "ray", "trainer", "engines"} <= set(parts), parts
+    assert total > 0 and all(0 < s <= total for s in parts.values()), summary
+    overlap = min(parts["trainer"], parts["engines"])
+    assert sum(parts.values()) - overlap <= total + 1e-6, summary
+    first, *rest = _metrics(out)
+    assert first["perf/startup_s"] == total
+    assert all(first[f"perf/startup_{name}_s"] == s for name, s in parts.items())
+    assert not any(k.startswith("perf/startup") for row in rest for k in row)
+    console = _stdout(full_run) + (full_run / "stderr.txt").read_text()
+    assert f"vime: started in {total:.1f} s (launch {parts['launch']:.1f}, " in console
 
 
 def test_library_progress_bars_stay_off_the_console(full_run: Path) -> None:
