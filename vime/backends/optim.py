@@ -109,7 +109,7 @@ def optimizer_step(
     skipped = not math.isfinite(norm)
     if not skipped:
         if clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, clip_grad, grad_norm)
+            torch.nn.utils.clip_grads_with_norm_(params, clip_grad, grad_norm, foreach=True)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()

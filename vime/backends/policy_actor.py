@@ -148,6 +148,9 @@ class PolicyTrainActor(TrainActor):
             lr=args.lr,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
+            # torch picks the per-tensor loop on the CPU: a dozen ops a parameter, each
+            # through DTensor dispatch. Multi-tensor ops are ~5x faster there.
+            foreach=True,
         )
 
     def _start_rollout(self) -> int:

@@ -94,7 +94,8 @@ class FSDP2Actor(PolicyTrainActor):
 
     def grad_norm(self) -> torch.Tensor:
         # FSDP reduce-scattered the gradients in backward: the norm of the DTensor shards.
-        norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # ----- weights out ---------------------------------------------------------------------
