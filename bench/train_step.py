@@ -9,7 +9,8 @@ block-diagonal mask over each packed row) on rows packed under
 ``--max-tokens-per-gpu``; naive = the plain HF model on fixed micro-batches in
 rollout order, right-padded, full-vocabulary log-softmax.
 
-Printed side by side: real (non-pad) tokens/s, padding, model FLOP/s (6 x matmul
+Printed side by side: real (non-pad) tokens/s, tokens forwarded per real token (padding
+above 1; below 1 where vime computes a group's shared prompt once), model FLOP/s (6 x matmul
 params x real tokens / s) as a fraction of the matmul peak measured in the same run
 (before and after the steps, so a change in machine load shows), and the ratio
 vime/naive. The first steps start from the same weights, so their grad norms must
@@ -137,17 +138,20 @@ def write_model(args: argparse.Namespace, path: str) -> int:
 
 
 def make_rollout(args: argparse.Namespace) -> Any:
-    """Random tokens, lognormal response lengths, GRPO advantages of random 0/1 rewards."""
+    """Random tokens, lognormal response lengths, GRPO advantages of random 0/1 rewards;
+    the ``--group`` samples of a group share their prompt, as a rollout's do."""
     from vime.algo import compute_advantages
     from vime.data.batch import RolloutBatch
 
     rng = random.Random(args.seed)
     tokens, prompts, masks = [], [], []
-    for _ in range(args.samples):
-        p = rng.randint(args.prompt_min, args.prompt_max)
+    for i in range(args.samples):
+        if i % args.group == 0:
+            p = rng.randint(args.prompt_min, args.prompt_max)
+            prompt = [rng.randrange(args.vocab) for _ in range(p)]
         r = round(rng.lognormvariate(math.log(args.response_median), args.response_sigma))
         r = min(max(r, args.response_min), args.response_max)
-        tokens.append([rng.randrange(args.vocab) for _ in range(p + r)])
+        tokens.append(prompt + [rng.randrange(args.vocab) for _ in range(r)])
         prompts.append(p)
         masks.append([1] * r)
     rewards = torch.tensor([float(rng.random() < 0.5) for _ in range(args.samples)])
@@ -179,7 +183,9 @@ def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, 
 
     hf_config = getattr(actor.model, "config", None)
     attn = getattr(hf_config, "_attn_implementation", None) or "megatron local, THD per-run"
-    forwarded = sum(max(1, sum(len(batch.tokens[i]) for i in mb)) for mb in rows)
+    # What the rows hold: shared prompts once each (fsdp2 with varlen_sdpa), no padding.
+    share = getattr(actor, "shares_prompts", False)
+    forwarded = sum(batch.pack(mb, share_prompts=share).row_length for mb in rows)
     return step, dict(rows=len(rows), forwarded=forwarded, attn=attn, batching=f"<={cap} tok/row")
 
 
@@ -290,18 +296,19 @@ def report(args: argparse.Namespace, device: torch.device, r: dict[str, Any]) ->
     print(f"MFU = 6 x matmul params x real tokens / s over the higher {model_dtype} peak\n")
     print(
         f"{'path':<21}{'tokens/s':>9}{'s/step':>8}{'min':>7}{'GFLOP/s':>8}{'MFU':>7}{'rows':>5}"
-        f"{'pad':>7}{'loss@1':>11}{'gnorm@1':>9}  batching"
+        f"{'fwd':>7}{'loss@1':>11}{'gnorm@1':>9}  batching"
     )
     tps, best = {}, {}
     for name, path in r["paths"].items():
         med = statistics.median(path["times"])
         tps[name], best[name] = r["real_tokens"] / med, r["real_tokens"] / min(path["times"])
         gflops = 6 * r["params"] * tps[name] / 1e9
-        pad = 1 - r["real_tokens"] / path["forwarded"]
+        # Tokens forwarded per real token: > 1 is padding, < 1 prompts computed once.
+        fwd = path["forwarded"] / r["real_tokens"]
         loss, gnorm = r["first_step"][name]
         print(
             f"{name:<21}{tps[name]:>9.0f}{med:>8.3f}{min(path['times']):>7.3f}{gflops:>8.1f}"
-            f"{gflops / ref_peak:>7.1%}{path['rows']:>5}{pad:>7.1%}{loss:>11.6f}{gnorm:>9.5f}"
+            f"{gflops / ref_peak:>7.1%}{path['rows']:>5}{fwd:>7.2f}{loss:>11.6f}{gnorm:>9.5f}"
             f"  {path['batching']}, {path['attn']}"
         )
     (vime, naive), (vime_best, naive_best) = tps.values(), best.values()

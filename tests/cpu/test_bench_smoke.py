@@ -63,7 +63,13 @@ def test_train_step_bench_smoke(backend: str, tmp_path: Path) -> None:
     assert figures["check"] is True
     vime = figures["paths"][f"vime {backend} (packed)"]
     naive = figures["paths"]["naive HF (padded)"]
-    assert vime["forwarded"] == figures["real_tokens"]
+    # No padding in vime's rows (fsdp2 computes each group's shared prompt once).
+    shared = backend == "fsdp2"
+    assert (
+        (vime["forwarded"] < figures["real_tokens"])
+        if shared
+        else (vime["forwarded"] == figures["real_tokens"])
+    )
     assert naive["forwarded"] > figures["real_tokens"]
     assert len(vime["times"]) == len(naive["times"]) == 1
     assert all(gflops > 0 for _, gflops in figures["peaks"].values())
