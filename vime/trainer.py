@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -147,8 +148,13 @@ class Run:
         startup.mark("ray")
         threads = max(1, (os.cpu_count() or 1) // max(1, args.actor_num_gpus_per_node))
         self.train_group = RayTrainGroup(args.train_backend, self.placement)
-        self.start_rollout = self.train_group.init(args, threads)
-        startup.mark("trainer")
+        # The ranks initialise while the engines start; colocated, training goes to sleep
+        # first (DeviceTurns), so the engines wait for it.
+        started = time.time()
+        self.train_group.start_init(args, threads)
+        if args.colocate:
+            self.start_rollout = self.train_group.finish_init()
+            startup.mark("trainer")
         engine_options = {
             "num_threads": os.cpu_count() or 1,
             "tensor_parallel_size": args.rollout_num_gpus_per_engine,
@@ -165,7 +171,15 @@ class Run:
             colocate=args.colocate,
         )
         self.engines = self.turns.engines
-        startup.mark("engines")
+        if args.colocate:
+            startup.mark("engines")
+        else:
+            startup.add("engines", time.time() - started)
+            self.start_rollout = self.train_group.finish_init()
+            done_at = min(self.train_group.init_done_at or started, time.time())
+            startup.add("trainer", done_at - started)  # the ranks' clock: clamped to ours
+            startup.parallel = ("trainer", "engines")
+            startup.lap()
         engines = f"{self.engines.kind} ({self.engines.reason}), {layout.num_engines} engine(s)"
         self.log(f"vime: rollout engine {engines}")
         # The driver's phases, the reward's among them (timed where the manager calls it).

@@ -11,13 +11,15 @@ rank fails.
 
 Timing (``vime.profiling``): each rank records a span around every call that works
 (train, each log-prob pass, the weight send, sleep/wake, save, export), drained by
-the driver once per rollout; it measures its peak FLOP/s once at start-up
-(``vime.perf.rank_peak``) and runs torch.profiler for ``--profile-rollouts``.
+the driver once per rollout; it measures its peak FLOP/s once at start-up, when the
+driver first asks (``vime.perf.rank_peak``), and runs torch.profiler for
+``--profile-rollouts``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +46,9 @@ class TrainWorker:
 
         return node_ip(), free_port()
 
-    def init(self, args: Any, master: tuple[str, int], num_threads: int) -> int:
+    def init(self, args: Any, master: tuple[str, int], num_threads: int) -> tuple[int, float]:
+        """Build the backend; returns the rollout the run starts at and when this rank was
+        done (``time.time()``)."""
         import torch
 
         torch.set_num_threads(num_threads)
@@ -70,12 +74,15 @@ class TrainWorker:
                 return passes(schedule, which)
 
         self.actor.compute_log_probs = log_probs
-        # Measured with every rank measuring at once, as they will train.
-        self._peak = perf.rank_peak(vime_device.local_device())
         profiling.enable()
-        return start
+        return start, time.time()
 
     def peak(self) -> perf.Peak:
+        """This rank's peak FLOP/s, measured at the first call: the driver asks every rank
+        at once, as they will train, once the engines have started (the engines load
+        while the ranks initialise, and a matmul timed beside them would read low)."""
+        if self._peak is None:
+            self._peak = perf.rank_peak(vime_device.local_device())
         return self._peak
 
     def drain_spans(self) -> list[profiling.Span]:
@@ -173,15 +180,32 @@ class RayTrainGroup:
             )
             for rank in range(self.world)
         ]
+        self._init_refs: list[Any] = []
+        self.init_done_at: float | None = None
 
     def _all(self, what: str, method: str, *args: Any) -> list[Any]:
         refs = [getattr(w, method).remote(*args) for w in self.workers]
         return wait_all(refs, what)
 
     def init(self, args: Any, num_threads: int) -> int:
-        (master,) = wait_all([self.workers[0].address.remote()], "starting the training ranks")
-        starts = self._all("initializing the training ranks", "init", args, master, num_threads)
-        return starts[0]
+        """Initialise every rank (``start_init`` then ``finish_init``)."""
+        self.start_init(args, num_threads)
+        return self.finish_init()
+
+    def start_init(self, args: Any, num_threads: int) -> None:
+        """Start every rank's initialisation and return at once: the driver starts the
+        engines meanwhile. Rank 0's address (the process group's master) goes to the
+        ranks as a ref, which Ray resolves before their ``init`` runs."""
+        master = self.workers[0].address.remote()
+        self._init_refs = [w.init.remote(args, master, num_threads) for w in self.workers]
+
+    def finish_init(self) -> int:
+        """Wait for ``start_init``'s ranks; returns the rollout the run starts at. Sets
+        ``init_done_at``: when the last rank was done, by its own clock (the driver may
+        have been waiting on the engines then)."""
+        done = wait_all(self._init_refs, "initializing the training ranks")
+        self.init_done_at = max(at for _, at in done)
+        return done[0][0]
 
     def train(self, schedule_ref: Any) -> dict[str, float]:
         return self._all("training", "train", schedule_ref)[0]
