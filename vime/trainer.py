@@ -102,9 +102,7 @@ class Run:
         self.embedded = args.hf_checkpoint is None
         checkpoint_dir = args.hf_checkpoint or _embedded_checkpoint(output_dir, args.seed)
         self.log(f"vime: model {checkpoint_dir}")
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir)
+        self.tokenizer = _tokenizer(checkpoint_dir, embedded=self.embedded)
         task_name = builtin_task_of(args.prompt_data or "")
         self.task = _task(task_name)
         train_prompts, self.prompt_ids, dropped = self._prompts(args, args.prompt_data)
@@ -506,6 +504,18 @@ def _embedded_checkpoint(output_dir: str, seed: int) -> str:
     return write_embedded_checkpoint(
         os.path.join(output_dir, EMBEDDED_MODEL_DIR), charset=CHARSET, seed=seed
     )
+
+
+def _tokenizer(checkpoint_dir: str, *, embedded: bool) -> Any:
+    """The checkpoint's tokenizer; the embedded model's without importing transformers'
+    auto classes (seconds of the default run's start)."""
+    if embedded:
+        from vime.models.embedded import load_tokenizer
+
+        return load_tokenizer(checkpoint_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint_dir)
 
 
 def _task(name: str | None) -> Any:

@@ -2,7 +2,9 @@
 
 Proves: transformers loads the folder as a float32 tied-embedding Qwen3 whose
 special-token ids agree across config, generation config and tokenizer; the
-same seed gives bitwise-identical weights and another seed different ones; the
+same seed gives bitwise-identical weights and another seed different ones, and the
+files, written without transformers, are those transformers' own construction
+(``from_config`` under the seed) and ``save_pretrained`` write; the
 character tokenizer round-trips any text over the charset (spaces included)
 one token per character; rewriting is idempotent, a changed spec replaces the
 folder atomically, and a foreign folder is never overwritten. The light
@@ -24,7 +26,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from vime.backends.megatron.flags import check_architecture
 from vime.models import write_embedded_checkpoint
-from vime.models.embedded import BOS_ID, EOS_ID, PAD_ID, UNK_ID, architecture_fields
+from vime.models.embedded import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    architecture_fields,
+    build_tokenizer,
+    load_tokenizer,
+)
 
 CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 =+"
 
@@ -64,6 +74,45 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path: Path, folder:
     assert ref.keys() == same.keys() == diff.keys()
     assert all(torch.equal(ref[k], same[k]) for k in ref)
     assert not torch.equal(ref["model.embed_tokens.weight"], diff["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize(
+    ("seed", "shape"),
+    [(1234, {}), (99, {}), (5, {"num_hidden_layers": 2, "num_key_value_heads": 1})],
+)
+def test_files_are_transformers_own_model_and_tokenizer_saved(
+    tmp_path: Path, seed: int, shape: dict[str, int]
+) -> None:
+    """The writer uses no transformers, yet writes what transformers' own construction
+    and ``save_pretrained`` write: ``from_config`` of the config under the seed (the
+    writer's weights bit for bit, and its config.json, generation_config.json and
+    tokenizer files byte for byte)."""
+    path = Path(write_embedded_checkpoint(tmp_path / "m", charset=CHARSET, seed=seed, **shape))
+    config = AutoConfig.from_pretrained(path)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
+    model.save_pretrained(tmp_path / "hf")
+    build_tokenizer(CHARSET, config.max_position_embeddings).save_pretrained(tmp_path / "hf")
+    written, built = load_file(path / "model.safetensors"), model.state_dict()
+    assert set(written) == set(built) - {"lm_head.weight"}  # tied: saved once
+    assert all(torch.equal(written[k], built[k]) for k in written)
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json"):
+        assert (path / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+    # The one change the old writer made too: the class named as every release resolves it.
+    saved = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert json.loads((path / "tokenizer_config.json").read_text()) == {
+        **saved,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def test_load_tokenizer_is_what_auto_tokenizer_loads(folder: str) -> None:
+    auto, light = AutoTokenizer.from_pretrained(folder), load_tokenizer(folder)
+    assert type(light) is type(auto) and light.init_kwargs == auto.init_kwargs
+    assert light("ab 12")["input_ids"] == auto("ab 12")["input_ids"]
 
 
 def test_writing_does_not_move_the_callers_random_stream(tmp_path: Path) -> None:
