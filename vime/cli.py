@@ -9,10 +9,14 @@ line when the run failed before its folder was kept).
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from vime.config import Config, ConfigError, parse_args
 
@@ -53,6 +57,46 @@ def _stopped(how: str, config: Config) -> str:
     return f"{kept}; resume after rollout {last} with --load {config.save}"
 
 
+def _start_ray_importing_the_trainer(config: Config, startup: Any) -> Callable[..., Any]:
+    """Start (or join) Ray while another thread imports the trainer's modules, and return
+    ``vime.trainer.run``, which finds Ray started.
+
+    Both take seconds: the imports (torch, transformers) are this process's work, Ray's
+    start mostly its own processes', this one waiting for them. The parts ``ray`` and
+    ``imports`` of ``startup``, which ran together. The modules imported on the other
+    thread (torch, transformers, vime's) are none of those ``ray.init`` imports.
+    """
+    from vime.ray.placement import layout_of, start_ray
+    from vime.tracking import HF_PROGRESS_BARS_VAR
+
+    # Before Ray starts: its processes inherit the environment (see the run's
+    # quiet_library_progress_bars, which finds it set).
+    os.environ.setdefault(HF_PROGRESS_BARS_VAR, "1")
+    took: list[float] = []
+
+    def load() -> None:
+        started = time.time()
+        with contextlib.suppress(BaseException):  # the import below raises it again
+            importlib.import_module("vime.trainer")
+            # What run() then imports first (quiet_library_progress_bars): transformers.
+            importlib.import_module("transformers.utils.logging")
+        took.append(time.time() - started)
+
+    loader = threading.Thread(target=load, name="vime-imports", daemon=True)
+    loader.start()
+    try:
+        started = time.time()
+        start_ray(config.ray_address, layout_of(config, use_gpu=False).num_bundles)
+        startup.add("ray", time.time() - started)
+    finally:
+        loader.join()  # no exit, even a failed one, while a module is half imported
+    startup.add("imports", took[0])
+    startup.together("ray", "imports")
+    from vime.trainer import run
+
+    return run
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vime-train`` console script; returns the exit status."""
     try:
@@ -74,16 +118,16 @@ def _main(argv: Sequence[str] | None) -> int:
     print(f"vime-train: configuration is valid: {_describe(config)}", flush=True)
     if config.dry_run:
         return 0
-    from vime.perf import process_start_time
+    from vime.perf import StartupClock, process_start_time
     from vime.ray.placement import ActorFailure, Terminated
     from vime.tracking import default_output_dir
-    from vime.trainer import run
 
     config = config.replace(output_dir=config.output_dir or default_output_dir())
-    # The start-up figure counts from the process's start (the console script's).
-    launched_at = (process_start_time() if argv is None else None) or _IMPORTED_AT
+    # The start-up is timed from the process's start (the console script's).
+    startup = StartupClock((process_start_time() if argv is None else None) or _IMPORTED_AT)
     try:
-        summary = run(config, launched_at=launched_at)
+        run = _start_ray_importing_the_trainer(config, startup)
+        summary = run(config, startup=startup)
     except ConfigError as err:
         print(f"vime-train: error: {err}", file=sys.stderr)
         return 2

@@ -221,21 +221,23 @@ def process_start_time() -> float | None:
 @dataclass(frozen=True)
 class Startup:
     """A run's start-up: ``total_s`` from launch to the first rollout, and the seconds of
-    its ``parts`` in the order they began; ``parallel`` names parts that ran at the same
-    time (so the parts may add up to more than the whole, never one part)."""
+    its ``parts`` in the order they began; each group of ``parallel`` names parts that
+    ran at the same time (so the parts may add up to more than the whole, never one
+    part: the longest of a group and the parts outside groups add up to at most it)."""
 
     total_s: float
     parts: dict[str, float]
-    parallel: tuple[str, ...] = ()
+    parallel: tuple[tuple[str, ...], ...] = ()
 
     def line(self) -> str:
         """``started in 7.9 s (launch 1.1, ..., trainer 3.1 and engines 2.9 in parallel)``"""
         shown: list[str] = []
         for name, seconds in self.parts.items():
-            if name not in self.parallel:
+            group = next((g for g in self.parallel if name in g), None)
+            if group is None:
                 shown.append(f"{name} {seconds:.1f}")
-            elif name == self.parallel[0]:
-                together = " and ".join(f"{n} {self.parts[n]:.1f}" for n in self.parallel)
+            elif name == group[0]:
+                together = " and ".join(f"{n} {self.parts[n]:.1f}" for n in group)
                 shown.append(f"{together} in parallel")
         return f"started in {self.total_s:.1f} s ({', '.join(shown)})"
 
@@ -246,8 +248,13 @@ class Startup:
         return out
 
     def summary(self) -> dict[str, object]:
-        """``startup_s`` and ``startup_parts_s`` ({part: seconds}): summary.json's."""
-        return {"startup_s": self.total_s, "startup_parts_s": dict(self.parts)}
+        """summary.json's: ``startup_s``, ``startup_parts_s`` ({part: seconds}) and
+        ``startup_parallel`` (the groups of parts that ran at the same time)."""
+        return {
+            "startup_s": self.total_s,
+            "startup_parts_s": dict(self.parts),
+            "startup_parallel": [list(group) for group in self.parallel],
+        }
 
 
 class StartupClock:
@@ -255,13 +262,13 @@ class StartupClock:
     process's start, see :func:`process_start_time`) or, without it, from the clock's
     creation; with it, the time until the clock is made is the part ``launch`` (the
     interpreter, the imports, the flags). Parts are laps between marks (``mark``) or
-    timed elsewhere (``add``); ``parallel`` names those that ran at the same time."""
+    timed elsewhere (``add``); ``together`` says which ran at the same time."""
 
     def __init__(self, launched_at: float | None = None) -> None:
         now = time.time()
         self.launched_at = now if launched_at is None or launched_at > now else launched_at
         self.parts: dict[str, float] = {}
-        self.parallel: tuple[str, ...] = ()
+        self.parallel: list[tuple[str, ...]] = []
         self._mark = now
         if launched_at is not None:
             self.add("launch", now - self.launched_at)
@@ -279,8 +286,14 @@ class StartupClock:
     def add(self, name: str, seconds: float) -> None:
         self.parts[name] = self.parts.get(name, 0.0) + max(0.0, seconds)
 
+    def together(self, *names: str) -> None:
+        """Parts ``names`` (timed with ``add``) ran at the same time; the mark moves to
+        now, their end."""
+        self.parallel.append(names)
+        self.lap()
+
     def done(self) -> Startup:
         """The start-up until now (the first rollout starts)."""
-        parallel = tuple(n for n in self.parallel if n in self.parts)
-        total = time.time() - self.launched_at
-        return Startup(total, dict(self.parts), parallel if len(parallel) > 1 else ())
+        groups = (tuple(n for n in group if n in self.parts) for group in self.parallel)
+        parallel = tuple(group for group in groups if len(group) > 1)
+        return Startup(time.time() - self.launched_at, dict(self.parts), parallel)

@@ -53,13 +53,13 @@ EMBEDDED_MODEL_DIR = "embedded_model"
 TRACE_FILE = "trace.json"
 
 
-def run(args: Config, *, launched_at: float | None = None) -> dict[str, Any]:
+def run(args: Config, *, startup: perf.StartupClock | None = None) -> dict[str, Any]:
     """Train as ``args`` (from ``parse_args(argv, for_run=True)``) says; returns the final
     summary (also in ``summary.json``).
 
     The start-up (``perf/startup_s`` on the first metrics line, ``startup_s`` in the
-    summary) counts from ``launched_at`` (``time.time()`` when the process started, as
-    ``vime-train`` passes it), or from this call.
+    summary) is timed on ``startup`` (``vime-train``'s, from the process's start, with
+    Ray already started), or from this call.
 
     A run that fails while it is being set up (bad data, an unreachable cluster)
     removes the output folder it created, so a failed start leaves nothing behind.
@@ -71,7 +71,7 @@ def run(args: Config, *, launched_at: float | None = None) -> dict[str, Any]:
     args = args.replace(output_dir=args.output_dir or default_output_dir())
     created = not os.path.exists(args.output_dir)
     try:
-        session = Run(args, perf.StartupClock(launched_at))
+        session = Run(args, startup)
     except BaseException:
         if created:
             shutil.rmtree(args.output_dir, ignore_errors=True)
@@ -132,6 +132,7 @@ class Run:
         self.scorer = build_reward_scorer(args, self.task.reward if self.task else None)
         startup.mark("model")  # the checkpoint, the tokenizer, the prompts, the reward
 
+        # Ray's start (unless vime-train started it already) and the run's placement.
         start_ray(args.ray_address, layout_of(args, use_gpu=False).num_bundles)
         # The cluster's devices, not this driver's: a driver on a CPU-only head node still
         # places the ranks and engines on the workers' GPUs.
@@ -176,8 +177,7 @@ class Run:
             self.start_rollout = self.train_group.finish_init()
             done_at = min(self.train_group.init_done_at or started, time.time())
             startup.add("trainer", done_at - started)  # the ranks' clock: clamped to ours
-            startup.parallel = ("trainer", "engines")
-            startup.lap()
+            startup.together("trainer", "engines")
         engines = f"{self.engines.kind} ({self.engines.reason}), {layout.num_engines} engine(s)"
         self.log(f"vime: rollout engine {engines}")
         # The driver's phases, the reward's among them (timed where the manager calls it).

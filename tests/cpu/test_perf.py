@@ -108,18 +108,26 @@ def test_startup_parts_are_laps_and_the_line_joins_the_parallel_ones() -> None:
     clock.mark("model")
     clock.add("trainer", 3.0)
     clock.add("engines", 2.5)
-    clock.parallel = ("trainer", "engines")
+    clock.together("trainer", "engines")
+    clock.together("other", "missing")  # a group of fewer than two parts timed: none
     clock.mark("other")
     startup = clock.done()
     assert list(startup.parts) == ["launch", "model", "trainer", "engines", "other"]
     assert 2.0 <= startup.parts["launch"] <= startup.total_s
-    assert startup.total_s == pytest.approx(sum(startup.parts.values()) - 5.5, abs=0.05)
+    assert startup.parallel == (("trainer", "engines"),)
+    # Laps chain: the whole is the laps (the parallel parts here took no real time).
+    laps = ("launch", "model", "other")
+    assert startup.total_s == pytest.approx(sum(startup.parts[n] for n in laps), abs=0.01)
     line = startup.line()
     assert line.startswith(f"started in {startup.total_s:.1f} s (launch 2.0, model 0.0, ")
     assert "trainer 3.0 and engines 2.5 in parallel, other 0.0)" in line
     assert startup.metrics()["perf/startup_s"] == startup.total_s
     assert startup.metrics()["perf/startup_engines_s"] == 2.5
-    assert startup.summary() == {"startup_s": startup.total_s, "startup_parts_s": startup.parts}
+    assert startup.summary() == {
+        "startup_s": startup.total_s,
+        "startup_parts_s": startup.parts,
+        "startup_parallel": [["trainer", "engines"]],
+    }
     # No launch time given: the clock's creation is the origin, and there is no launch part.
     assert "launch" not in perf.StartupClock().done().parts
     assert perf.StartupClock(time.time() + 60).done().total_s < 1.0  # a clock gone wrong
