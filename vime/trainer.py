@@ -161,6 +161,7 @@ class Run:
             # The longest sequence a rollout makes: what the KV cache must hold.
             "max_model_len": args.rollout_max_prompt_len + args.rollout_max_response_len,
             "gpu_memory_utilization": args.rollout_gpu_memory_utilization,
+            "tiny_model": self.embedded,  # auto gives it the faster engine (resolve_engine)
         }
         self.turns = DeviceTurns(
             self.train_group,

@@ -42,6 +42,7 @@ from vime.config.parser import parse_args
 from vime.ray import engines
 from vime.ray.engines import (
     COLOCATED_GPU_SHARE,
+    TINY_MODEL_REASON,
     EngineGroup,
     _split,
     engine_actor_spec,
@@ -98,6 +99,9 @@ def test_auto_falls_back_to_hf_when_vllm_does_not_import(
             "auto: import vllm fails: RuntimeError: operator torchvision::nms does not exist"
         )
     assert resolve_engine("hf") == ("hf", "--rollout-engine hf")
+    # The embedded default's model: hf whatever is installed; an explicit name still wins.
+    assert resolve_engine("auto", tiny_model=True) == ("hf", TINY_MODEL_REASON)
+    assert resolve_engine("vllm", tiny_model=True) == ("vllm", "--rollout-engine vllm")
 
 
 @pytest.mark.parametrize("how", ["missing", "broken"])
