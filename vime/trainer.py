@@ -41,6 +41,7 @@ from vime.ray.placement import (
     reserve,
     start_ray,
     stop_ray,
+    wait_all,
 )
 from vime.ray.train_group import RayTrainGroup
 from vime.rollout.manager import DataExhausted, RolloutManager
@@ -221,6 +222,7 @@ class Run:
             config=vars(args),
         )
         self.probe = self._probe_sequence()
+        self._probe_plan: Any = None
         self.last_saved = self.start_rollout - 1  # the checkpoint this run resumed from
 
     # ----- the loop ------------------------------------------------------------------------
@@ -283,9 +285,7 @@ class Run:
             self.turns.weight_sync()
             metrics.update(self.sync_weights(rollout_id + 1))
         with timing.phase("probe"):
-            trainer_probe = self._trainer_probe()
-            self.turns.rollout()  # the probe's engine half, eval and the next generation
-            metrics.update(self._probe_diff(trainer_probe))
+            metrics.update(self._probe_diff())
         eval_due = args.eval_interval and (rollout_id + 1) % args.eval_interval == 0
         if self.eval_prompts is not None and eval_due:
             with timing.phase("eval"):
@@ -304,9 +304,11 @@ class Run:
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's weights to every engine and check they serve ``version``."""
         args, engines = self.args, self.engines
+        versions = None
         try:
             if self.transport == "object-store":
-                self.train_group.sync_object_store(engines, args.update_weight_buffer_size, version)
+                size = args.update_weight_buffer_size
+                versions = self.train_group.sync_object_store(engines, size, version)
             elif self.transport == "broadcast":
                 self.train_group.sync_broadcast(engines, args.update_weight_buffer_size, version)
             elif self.transport == "cuda-ipc":
@@ -317,7 +319,8 @@ class Run:
         except ActorFailure:
             engines.raise_if_one_died("syncing weights")  # the cause, if an engine died
             raise
-        versions = engines.weight_versions()
+        if versions is None:
+            versions = engines.weight_versions()
         if any(v != version for v in versions):
             raise RuntimeError(f"engines serve weight versions {versions}, expected {version}")
         return {"weights/version": float(version)}
@@ -359,21 +362,28 @@ class Run:
         prompt = next(iter(self.prompt_ids.values()))
         return prompt + prompt[: max(1, min(8, len(prompt)))], len(prompt)
 
-    def _trainer_probe(self) -> list[float]:
-        """The trainer's log-probs of the probe (scored while it is awake, see ``step``)."""
-        tokens, prompt_len = self.probe
-        dp = self.args.data_parallel_size
-        n_resp = len(tokens) - prompt_len
-        batch = RolloutBatch([tokens] * dp, [prompt_len] * dp, [[1] * n_resp] * dp, [0.0] * dp)
-        planned = schedule(batch, global_batch_size=dp, dp_size=dp, micro_batch_size=1)
-        per_rank = self.train_group.compute_log_probs(ray.put(planned), "actor")
-        return next(rank[0] for rank in per_rank if 0 in rank).tolist()
+    def _probe_diff(self) -> dict[str, float]:
+        """How far the engines' log-probs of the probe are from the trainer's.
 
-    def _probe_diff(self, trainer: list[float]) -> dict[str, float]:
-        """How far the engines' log-probs of the probe are from the trainer's ``trainer``."""
+        The trainer scores it while its weights are awake (the sync's turn), the engines
+        in the rollout turn (that also serves eval and the next generation): colocated,
+        one after the other; on devices of their own, both at once.
+        """
         tokens, prompt_len = self.probe
+        if self._probe_plan is None:  # the same every rollout: put in the object store once
+            dp, n_resp = self.args.data_parallel_size, len(tokens) - prompt_len
+            batch = RolloutBatch([tokens] * dp, [prompt_len] * dp, [[1] * n_resp] * dp, [0.0] * dp)
+            plan = schedule(batch, global_batch_size=dp, dp_size=dp, micro_batch_size=1)
+            self._probe_plan = ray.put(plan)
+        pending = self.train_group.submit("compute_log_probs", self._probe_plan, "actor")
+        what = "computing the probe's log-probs"
+        per_rank = wait_all(pending, what) if self.args.colocate else None
+        self.turns.rollout()
         # Every engine scores it: one that missed an update must not hide behind another.
         per_engine = self.engines.score(tokens, prompt_len, self.args.rollout_temperature)
+        if per_rank is None:
+            per_rank = wait_all(pending, what)
+        trainer = next(rank[0] for rank in per_rank if 0 in rank).tolist()
         diff = max(
             abs(a - b) for engine in per_engine for a, b in zip(trainer, engine, strict=True)
         )

@@ -183,9 +183,12 @@ class RayTrainGroup:
         self._init_refs: list[Any] = []
         self.init_done_at: float | None = None
 
+    def submit(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every rank; returns the refs at once, in rank order."""
+        return [getattr(w, method).remote(*args) for w in self.workers]
+
     def _all(self, what: str, method: str, *args: Any) -> list[Any]:
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        return wait_all(refs, what)
+        return wait_all(self.submit(method, *args), what)
 
     def init(self, args: Any, num_threads: int) -> int:
         """Initialise every rank (``start_init`` then ``finish_init``)."""
@@ -247,10 +250,13 @@ class RayTrainGroup:
 
     # --- weight sync ---
 
-    def sync_object_store(self, engines: Any, bucket_bytes: int, version: int) -> None:
-        refs = self._all("gathering weights", "push_to_object_store", bucket_bytes)[0]
-        calls = [a.update_from_object_store.remote(refs, version) for a in engines.actors]
-        wait_all(calls, "loading new weights into the engines")
+    def sync_object_store(self, engines: Any, bucket_bytes: int, version: int) -> list[int]:
+        """Returns the version each engine serves after the load."""
+        pushes = self.submit("push_to_object_store", bucket_bytes)
+        # Rank 0's bucket refs reach the engines as a ref, resolved by Ray once the push
+        # is done: the engines start loading without a round trip through the driver.
+        loads = [a.update_from_object_store.remote(pushes[0], version) for a in engines.actors]
+        return wait_all(pushes + loads, "syncing weights through the object store")[len(pushes) :]
 
     def setup_broadcast(self, engines: Any, backend: str) -> None:
         ((host, port),) = wait_all([self.workers[0].address.remote()], "opening a port")
