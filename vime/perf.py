@@ -23,7 +23,10 @@ token is forwarded and backpropagated, the loss mask only weights the loss) is::
 
 where ``p`` is the number of forward-only log-prob passes the ranks ran for that
 rollout (the reference model's with a KL loss, the old policy's when a rollout is
-trained in several optimizer steps), counted where they run.
+trained in several optimizer steps), counted where they run. Each sample counts
+whole: where the fsdp2 backend computes a prompt once for the samples that share it
+in a row (``vime.data.micro_batch``), the figure is the samples' work, above what
+ran, and MFU shows what the sharing saved.
 
 ``N`` counts every weight that multiplies activations: all of the checkpoint's
 tensors except embedding tables (a lookup costs no FLOPs), plus the output head,
