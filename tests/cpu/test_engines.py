@@ -247,27 +247,6 @@ def test_one_gpu_engines_take_their_gpu_on_their_own_bundle() -> None:
     assert all(s.env_vars["OMP_WAIT_POLICY"] == "PASSIVE" for s in specs)
 
 
-@pytest.mark.parametrize(
-    ("inherited", "own"),
-    [
-        (None, True),  # a cluster's workers: their environment is not known here
-        ({}, False),  # libgomp's default: idle workers sleep after a short spin
-        ({"OMP_WAIT_POLICY": "passive"}, False),
-        ({"OMP_WAIT_POLICY": "ACTIVE"}, True),
-        ({"GOMP_SPINCOUNT": "infinite"}, True),
-    ],
-)
-def test_engines_set_the_wait_policy_only_where_they_would_not_inherit_it(
-    inherited: dict[str, str] | None, own: bool
-) -> None:
-    """An engine sets OMP_WAIT_POLICY=PASSIVE itself (a runtime_env of its own, so a fresh
-    worker process) only where the environment it inherits would let idle OpenMP
-    workers spin, or is not known."""
-    layout = Layout(num_train=1, num_engines=1, gpus_per_engine=1, colocate=False, use_gpu=False)
-    spec = engine_actor_spec(layout, 0, inherited=inherited)
-    assert spec.env_vars == ({"OMP_WAIT_POLICY": "PASSIVE"} if own else {})
-
-
 def test_colocated_engines_share_the_training_gpus() -> None:
     layout = Layout(num_train=2, num_engines=2, gpus_per_engine=1, colocate=True, use_gpu=True)
     specs = [engine_actor_spec(layout, e) for e in range(2)]

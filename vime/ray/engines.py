@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ import ray
 from vime import device as vime_device
 from vime import profiling
 from vime.config.errors import ConfigError
-from vime.ray.placement import Layout, Placement, label_actor, wait_all, worker_environment
+from vime.ray.placement import Layout, Placement, label_actor, wait_all
 from vime.rollout.types import Completion, SamplingParams
 from vime.weights.update_stream import UpdateStream
 
@@ -37,18 +37,12 @@ from vime.weights.update_stream import UpdateStream
 # training ranks that run while the engine waits (bench/engine_idle.py: 1.0 of a core
 # idle with ACTIVE; 0.01 unset or PASSIVE). PASSIVE puts idle workers to sleep at once
 # whatever the driver's environment; generation tokens/s were the same within noise.
-# Where the engine's inherited environment is known to sleep already (``_sleeps_idle``),
-# nothing is set: an actor with variables of its own cannot take one of the workers Ray
-# starts ahead, and waits for a fresh process (~0.7 s of the start-up on two cores).
+# The variables make the engine's runtime_env its own, so Ray starts a fresh worker
+# process for it (~0.7 s of the start-up on two cores) rather than one it started
+# ahead. Going without them where the policy is unset costs far more on a busy machine:
+# libgomp's default spin made the embedded default's rollout phase 0.4-1.8 s a step
+# against 0.12 s with PASSIVE, on two cores that other jobs also used.
 ENGINE_ENV_VARS = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-def _sleeps_idle(environment: Mapping[str, str]) -> bool:
-    """Whether OpenMP's idle workers sleep under ``environment`` as under ENGINE_ENV_VARS:
-    its wait policy PASSIVE or unset (libgomp's default: a short spin, then sleep), and no
-    spin count of its own."""
-    policy = environment.get("OMP_WAIT_POLICY", "PASSIVE").strip().upper()
-    return policy == "PASSIVE" and "GOMP_SPINCOUNT" not in environment
 
 
 # Why ``auto`` gives the embedded default the hf engine: at 265 k parameters vLLM-CPU's
@@ -94,10 +88,7 @@ class EngineActorSpec:
 
 
 def engine_actor_spec(
-    layout: Layout,
-    engine: int,
-    order: Sequence[int] | None = None,
-    inherited: Mapping[str, str] | None = None,
+    layout: Layout, engine: int, order: Sequence[int] | None = None
 ) -> EngineActorSpec:
     """Ray placement of engine ``engine``'s actor on its bundles (pure, tested on the CPU).
 
@@ -109,14 +100,12 @@ def engine_actor_spec(
     the group's first GPU bundles, which are the training ranks'), each worker taking
     the GPU share the actor would have taken. ``bundle`` is the layout's (logical)
     index; vLLM is told the placement group's own indices, ``order`` mapping one to
-    the other (``Placement.order``; the identity when None). ``inherited``: the
-    environment the actor's process inherits, where known (``worker_environment``);
-    ``ENGINE_ENV_VARS`` are left out where it already sleeps when idle.
+    the other (``Placement.order``; the identity when None).
     """
     bundles = layout.engine_bundles(engine)
     physical = [order[b] for b in bundles] if order is not None else bundles
     share = COLOCATED_GPU_SHARE if layout.colocate else 1.0
-    env = {} if inherited is not None and _sleeps_idle(inherited) else dict(ENGINE_ENV_VARS)
+    env = dict(ENGINE_ENV_VARS)
     tensor_parallel = layout.use_gpu and len(bundles) > 1
     if tensor_parallel:
         env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in physical)
@@ -339,19 +328,16 @@ class EngineGroup:
     ) -> None:
         layout = placement.layout
         remote = ray.remote(EngineActor)
-        inherited = worker_environment()
         self.actors = []
         for e in range(layout.num_engines):
-            spec = engine_actor_spec(layout, e, placement.order, inherited)
-            # No variables of its own: the actor can take a worker Ray started ahead.
-            own_env = {"runtime_env": {"env_vars": spec.env_vars}} if spec.env_vars else {}
+            spec = engine_actor_spec(layout, e, placement.order)
             actor = remote.options(
                 num_cpus=spec.num_cpus,
                 num_gpus=spec.num_gpus,
                 scheduling_strategy=placement.strategy(
                     spec.bundle, capture_child_tasks=spec.capture_child_tasks
                 ),
-                **own_env,
+                runtime_env={"env_vars": spec.env_vars},
             ).remote(kind, checkpoint, options)
             self.actors.append(label_actor(actor, f"rollout engine {e}"))
         wait_all([a.ready.remote() for a in self.actors], "starting the rollout engines")

@@ -120,22 +120,7 @@ def start_ray(address: str | None, min_cpus: int) -> None:
                 log_to_driver=True,
                 logging_level=logging.WARNING,
             )
-            _LOCAL_RAY[:] = [(ray.get_runtime_context().gcs_address, dict(os.environ))]
     _stop_on_sigterm(before)
-
-
-# (GCS address, environment) of the local Ray start_ray started: its workers' environment.
-_LOCAL_RAY: list[tuple[str, dict[str, str]]] = []
-
-
-def worker_environment() -> dict[str, str] | None:
-    """The environment every worker of the Ray this process uses inherits, where known:
-    that of the local Ray ``start_ray`` started (this process's, with ``start_ray``'s
-    variables, when Ray started); None for a cluster joined, whose workers' is theirs."""
-    if not _LOCAL_RAY or not ray.is_initialized():
-        return None
-    address, environment = _LOCAL_RAY[0]
-    return environment if ray.get_runtime_context().gcs_address == address else None
 
 
 @contextlib.contextmanager
@@ -157,7 +142,6 @@ def stop_ray() -> None:
     """Shut down what ``start_ray`` started or joined, and give SIGTERM back the handler
     it had before."""
     ray.shutdown()
-    _LOCAL_RAY.clear()
     if _SIGTERM_BEFORE and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _SIGTERM_BEFORE.pop())
 
