@@ -132,3 +132,26 @@ def test_vs_trl_bench_smoke(tmp_path: Path) -> None:
         row = figures["rows"][name]
         assert row["step_s"] > 0 and row["gen_tok_s"] > 0 and row["startup_s"] > 0
     assert figures["ratios"]["vime hf"]["throughput"] > 0
+
+
+def test_hf_engine_bench_smoke(tmp_path: Path) -> None:
+    """``bench/hf_engine.py --smoke``: the transformers engine and one batched
+    ``model.generate`` each sample the embedded model's prompts, and the side-by-side
+    table and the ratio print (timings not judged)."""
+    out = tmp_path / "hf_engine.json"
+    flags = ["--smoke", "--threads", "1", "--json", str(out)]
+    result = _run_bench("hf_engine.py", flags, timeout=300)
+    lines = result.stdout.splitlines()
+    for prefix in (
+        "hf engine bench: size embedded, 4 prompts x 2 samples",
+        "machine:",
+        "engine: 8 rows in 1 batch",
+        "HFEngine.generate",
+        "model.generate",
+        "ratio model.generate/HFEngine:",
+    ):
+        assert any(line.startswith(prefix) for line in lines), (prefix, result.stdout)
+    figures = json.loads(out.read_text())
+    for path in figures["paths"].values():
+        assert len(path["times"]) == 1 and path["tokens"][0] > 0
+    assert figures["ratio_median"] > 0

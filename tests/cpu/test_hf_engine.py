@@ -6,19 +6,27 @@ Proves: every sampled token's log-prob equals a teacher-forced forward within
 prompts of different lengths (left padding) whose rows stop at different
 steps; with top-k/top-p, tokens come from the filtered set and their log-probs
 are those of the renormalised filtered distribution (as vLLM reports them); a
-seed fixes the completions whatever the batch composition or ``max_batch_size``,
-and a batch generated in two requests, the second naming its offset in
-``first_prompt_index``, draws exactly the tokens of one request (what lets
-several engines share a batch); greedy equals argmax decoding; stop tokens and
-``max_new_tokens`` end completions with the right reason; ``update_weights``
-makes the engine serve exactly the new model and advances ``weight_version``,
-and rejects unknown names, wrong shapes and incomplete sets; a sleeping engine
-refuses all work, on the CPU too.
+seed fixes the completions whatever the batch composition, ``max_batch_size``
+or ``max_batch_tokens``, and a batch generated in several requests, each
+naming its offset in ``first_prompt_index``, draws exactly the tokens of one
+request (what lets several engines share a batch); finished rows that ride
+along in the batch and are then dropped change nothing; the counter-based
+uniforms are murmur3 exactly (published vectors, int64 tensors never
+overflowing), uniform (mean, variance, histogram, 53 bits), uncorrelated
+between neighbouring rows, steps and seeds, and a row's own whatever else is
+computed with it; draws follow the model's distribution (chi-square); by
+default a whole rollout is one batch; greedy equals argmax decoding; stop
+tokens and ``max_new_tokens`` end completions with the right reason;
+``update_weights`` makes the engine serve exactly the new model and advances
+``weight_version``, and rejects unknown names, wrong shapes and incomplete
+sets; a sleeping engine refuses all work, on the CPU too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections import Counter
 
 import pytest
 import torch
@@ -26,7 +34,8 @@ from transformers import AutoModelForCausalLM
 
 from tests.cpu.tiny_models import save_tiny, tiny_qwen3_config
 from vime.data.micro_batch import pack_micro_batch, response_log_probs
-from vime.rollout.hf_engine import HFEngine
+from vime.rollout import hf_engine
+from vime.rollout.hf_engine import HFEngine, row_keys, uniforms
 from vime.rollout.types import Completion, SamplingParams
 
 EOS = 1
@@ -181,11 +190,13 @@ def test_seed_fixes_completions_whatever_the_batching(engine, checkpoint) -> Non
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=11)
     first = engine.generate(PROMPTS, params)
     assert engine.generate(PROMPTS, params) == first
-    for size in (1, 5):
-        assert_same_draws(
-            HFEngine(checkpoint, max_batch_size=size).generate(PROMPTS, params), first
-        )
-    # A prompt's completions do not depend on the prompts after it.
+    # Rows a batch: 1, 5 (batches cut inside a prompt's samples), and 4 from a token budget
+    # (the longest prompt, 9, + 8 new tokens = 17 positions a row).
+    for kwargs in ({"max_batch_size": 1}, {"max_batch_size": 5}, {"max_batch_tokens": 4 * 17}):
+        other = HFEngine(checkpoint, **kwargs)
+        assert other.rows_per_batch(PROMPTS, params) == kwargs.get("max_batch_size", 4)
+        assert_same_draws(other.generate(PROMPTS, params), first)
+    # A prompt's completions do not depend on the prompts after it, nor on their order.
     assert_same_draws(engine.generate(PROMPTS[:2], params), first[:2])
     responses = [c.response_ids for c in flat(first)]
     assert len({tuple(r) for r in responses}) > len(PROMPTS)  # samples of a prompt differ
@@ -193,17 +204,177 @@ def test_seed_fixes_completions_whatever_the_batching(engine, checkpoint) -> Non
     assert [c.response_ids for c in flat(other)] != responses
 
 
-def test_a_split_batch_draws_what_the_whole_batch_draws(engine) -> None:
-    """Seeds follow whole-batch prompt indices: the second part of a split batch, told its
-    offset, samples exactly its prompts' completions of the unsplit batch; without the
-    offset it samples others (so the offset is what makes the two agree)."""
+def test_a_split_batch_draws_what_the_whole_batch_draws(engine, checkpoint) -> None:
+    """Seeds follow whole-batch prompt indices: each part of a split batch, told its
+    offset, samples exactly its prompts' completions of the unsplit batch, whatever the
+    parts' engines batch by; without the offset a part samples others (so the offset is
+    what makes them agree)."""
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=21)
     whole = engine.generate(PROMPTS, params)
     head = engine.generate(PROMPTS[:1], params)
     tail = engine.generate(PROMPTS[1:], dataclasses.replace(params, first_prompt_index=1))
     assert_same_draws(head + tail, whole)
+    # Three parts over engines that batch differently (as several engines of a run would).
+    small = HFEngine(checkpoint, max_batch_size=3)
+    parts = [
+        small.generate(PROMPTS[:2], params),
+        engine.generate(PROMPTS[2:3], dataclasses.replace(params, first_prompt_index=2)),
+        small.generate(PROMPTS[3:], dataclasses.replace(params, first_prompt_index=3)),
+    ]
+    assert_same_draws([g for part in parts for g in part], whole)
     unshifted = engine.generate(PROMPTS[1:], params)
     assert [c.response_ids for c in flat(unshifted)] != [c.response_ids for c in flat(whole[1:])]
+
+
+def test_finished_rows_ride_along_and_drop_without_changing_draws(
+    engine, checkpoint, reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a third of the vocabulary stopping, rows finish at many different steps: they
+    ride along, then leave the batch and its cache together (the batch shrinks mid-decode),
+    and every completion is the one a batch of that row alone draws."""
+    drops: list[int] = []
+    select = hf_engine._ReservedLayer.batch_select_indices
+
+    def counted(layer, indices):
+        drops.append(len(indices))
+        return select(layer, indices)
+
+    monkeypatch.setattr(hf_engine._ReservedLayer, "batch_select_indices", counted)
+    params = SamplingParams(
+        n=6, temperature=1.0, max_new_tokens=12, stop_token_ids=tuple(range(20, 36)), seed=8
+    )
+    batched = engine.generate(PROMPTS, params)
+    assert drops and min(drops) < len(PROMPTS) * params.n, "no row was ever dropped"
+    completions = flat(batched)
+    assert len({len(c.response_ids) for c in completions}) >= 3
+    assert {c.finish_reason for c in completions} == {"stop", "length"}
+    assert_same_draws(HFEngine(checkpoint, max_batch_size=1).generate(PROMPTS, params), batched)
+    assert_log_probs_match(engine, reference, completions, temperature=1.0)
+
+
+def murmur3_32(data: bytes, seed: int) -> int:
+    """MurmurHash3 x86_32 of whole 32-bit words, in plain Python integers (unbounded, so
+    nothing can overflow): the reference the engine's tensor arithmetic must equal."""
+    m = 0xFFFFFFFF
+
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & m
+
+    h = seed
+    for i in range(0, len(data), 4):
+        k = int.from_bytes(data[i : i + 4], "little")
+        k = rotl((k * 0xCC9E2D51) & m, 15) * 0x1B873593 & m
+        h = (rotl(h ^ k, 13) * 5 + 0xE6546B64) & m
+    h ^= len(data)
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & m
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & m
+    return h ^ (h >> 16)
+
+
+def test_uniform_hash_is_murmur3_on_int64_tensors_without_overflow() -> None:
+    # Published MurmurHash3_x86_32 vectors.
+    assert murmur3_32(b"", 1) == 0x514E28B7
+    assert murmur3_32(b"\x00\x00\x00\x00", 0) == 0x2362F9DE
+    assert murmur3_32(b"\xff\xff\xff\xff", 0) == 0x76293B50
+    assert murmur3_32(b"test", 0) == 0xBA6BD213
+    assert murmur3_32(b"\x21\x43\x65\x87", 0x5082EDEE) == 0x2362F9DE
+    # The engine's blocks on int64 tensors, for words and seeds spanning all 32 bits
+    # (products up to 2**64 would wrap in int64; the 16-bit halves never get there).
+    gen = torch.Generator().manual_seed(0)
+    words = torch.cat(
+        [
+            torch.tensor([0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF]),
+            torch.randint(0, 2**32, (59,), generator=gen),
+        ]
+    )
+    seeds = words.flip(0)
+    h = hf_engine._fmix32(hf_engine._absorb(hf_engine._absorb(seeds, words), words.roll(1)) ^ 8)
+    expected = [
+        murmur3_32(w.to_bytes(4, "little") + v.to_bytes(4, "little"), s)
+        for w, v, s in zip(words.tolist(), words.roll(1).tolist(), seeds.tolist(), strict=True)
+    ]
+    assert h.tolist() == expected
+
+
+def test_uniforms_are_uniform_independent_and_row_local() -> None:
+    rows, steps = 4096, 64
+    prompt, sample = torch.arange(rows) // 8, torch.arange(rows) % 8
+    u = uniforms(row_keys(123, prompt, sample), 0, steps)
+    n = u.numel()
+    assert u.shape == (rows, steps) and u.dtype == torch.float64
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    # Moments within 6 standard errors: mean 1/2 (var 1/12), variance 1/12 (var 1/180).
+    assert abs(float(u.mean()) - 0.5) < 6 * math.sqrt(1 / 12 / n)
+    assert abs(float(u.var()) - 1 / 12) < 6 * math.sqrt(1 / 180 / n)
+    counts = torch.histc(u, bins=64, min=0.0, max=1.0)
+    chi2 = float(((counts - n / 64) ** 2 / (n / 64)).sum())
+    assert chi2 < 63 + 6 * math.sqrt(2 * 63), chi2
+    # 53 random bits: u * 2**53 is an integer, and its lowest bit is a fair coin.
+    scaled = u * 2.0**53
+    assert torch.equal(scaled, scaled.floor())
+    assert abs(float((scaled.long() & 1).double().mean()) - 0.5) < 6 * math.sqrt(0.25 / n)
+
+    def corr(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])
+
+    # Neighbouring samples, neighbouring prompts and consecutive steps are uncorrelated.
+    bound = 6 / math.sqrt(n)
+    assert abs(corr(u[:-1], u[1:])) < bound
+    assert abs(corr(u[:-8], u[8:])) < bound
+    assert abs(corr(u[:, :-1], u[:, 1:])) < bound
+    assert len({tuple(r) for r in u[:, :2].tolist()}) == rows  # no two rows alike
+    other_seed = uniforms(row_keys(124, prompt, sample), 0, steps)
+    assert abs(corr(u, other_seed)) < bound and not bool((u == other_seed).any())
+    # A row's uniforms are its own: the same for any subset or order of rows computed
+    # with it, and for any window of steps.
+    pick = torch.randperm(rows, generator=torch.Generator().manual_seed(0))[:100]
+    assert torch.equal(uniforms(row_keys(123, prompt[pick], sample[pick]), 0, steps), u[pick])
+    assert torch.equal(uniforms(row_keys(123, prompt, sample), 10, 20), u[:, 10:30])
+    # A seed counts modulo 2**64 (so -1 is 2**64 - 1); a prompt index past 32 bits is
+    # taken whole, not truncated.
+    big = [2**32 + 5, 5]
+    keys = row_keys(2**64 + 123, torch.tensor(big), torch.tensor([0, 0]))
+    assert keys[1].tolist() == row_keys(123, torch.tensor([5]), torch.tensor([0]))[0].tolist()
+    assert keys[0].tolist() != keys[1].tolist()
+    assert (
+        row_keys(-1, prompt[:4], sample[:4]).tolist()
+        == row_keys(2**64 - 1, prompt[:4], sample[:4]).tolist()
+    )
+
+
+@torch.no_grad()
+def test_draws_follow_the_model_distribution(engine, reference) -> None:
+    """4000 first tokens of one prompt against the model's softmax at T = 1.5: a
+    chi-square over the tokens expected at least 5 times (the rest pooled)."""
+    prompt, n, temperature = PROMPTS[2], 4000, 1.5
+    params = SamplingParams(n=n, temperature=temperature, max_new_tokens=1, seed=9)
+    drawn = Counter(c.response_ids[0] for c in engine.generate([prompt], params)[0])
+    probs = torch.softmax(
+        reference(input_ids=torch.tensor([prompt])).logits[0, -1] / temperature, -1
+    )
+    expected = (probs.double() * n).tolist()
+    common = [t for t, e in enumerate(expected) if e >= 5]
+    rest_expected = n - sum(expected[t] for t in common)
+    rest_drawn = n - sum(drawn[t] for t in common)
+    chi2 = sum((drawn[t] - expected[t]) ** 2 / expected[t] for t in common)
+    if rest_expected >= 5:
+        chi2 += (rest_drawn - rest_expected) ** 2 / rest_expected
+    df = len(common) - (0 if rest_expected >= 5 else 1)
+    assert len(common) >= 5  # a real distribution, not a near-greedy one
+    assert chi2 < df + 6 * math.sqrt(2 * df), (chi2, df)
+
+
+def test_the_default_batch_is_the_whole_request(engine, checkpoint) -> None:
+    """The embedded default's rollout shape (64 prompts of 6 tokens x 8, 8 new tokens) is
+    one batch; a token budget or a row cap cuts it."""
+    prompts = [[3 + k % 20] * 6 for k in range(64)]
+    params = SamplingParams(n=8, max_new_tokens=8)
+    assert engine.rows_per_batch(prompts, params) >= 64 * 8
+    assert HFEngine(checkpoint, max_batch_tokens=100 * 14).rows_per_batch(prompts, params) == 100
+    capped = HFEngine(checkpoint, max_batch_tokens=100 * 14, max_batch_size=7)
+    assert capped.rows_per_batch(prompts, params) == 7
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        HFEngine(checkpoint, max_batch_tokens=0)
 
 
 @torch.no_grad()
@@ -242,6 +413,9 @@ def test_stop_tokens_and_max_new_tokens(engine) -> None:
         assert c.finish_reason == ("stop" if ended_by_eos else "length")
         assert ended_by_eos or len(c.response_ids) == 3
         assert EOS not in c.response_ids[:-1]
+    # A stop id the model cannot emit changes nothing.
+    far = SamplingParams(n=4, max_new_tokens=3, seed=5, stop_token_ids=(10_000,))
+    assert flat(engine.generate(PROMPTS, far)) == sampled
     empty = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=0))
     assert empty == [[Completion(PROMPTS[0], [], [], "length")]]
 

@@ -10,19 +10,32 @@ differences measure numerics, not definitions (with top-k / top-p on, both
 engines report the truncated distribution the token was drawn from, which the
 trainer's full-vocabulary log-prob is then below).
 
-Decoding: completions are laid out as rows (prompt i, sample j) and processed
-``max_batch_size`` rows at a time. Each chunk prefills its distinct prompts
-once, left-padded, copies their KV cache to the rows that sample from them,
-then decodes one token per step for all live rows; finished rows are dropped
-from the batch (and the cache) as they stop.
+Decoding: completions are laid out as rows (prompt i, sample j) and decoded
+together, as many rows at a time as ``rows_per_batch`` allows (a KV-cache token
+budget, ``max_batch_tokens``, and an optional row cap, ``max_batch_size``): by
+default a small model's whole rollout is one batch. A batch prefills its
+distinct prompts once, left-padded, and copies their KV cache to the rows that
+sample from them, into buffers reserved for the whole decode, so a step writes
+its cache column in place and passes a view of one attention mask made up
+front (nothing is concatenated per step). It then decodes one token per step
+for every row: a finished row rides along, its later tokens ignored, until a
+quarter of the batch has finished; those rows are then dropped from the batch
+and the cache together (a drop copies the cache, so it is not done per row).
+Each step's log-probs come from the logits that step computed (no second
+pass). On the CPU, grouped-query attention under the padding mask runs inside
+torch's kernel rather than after transformers copies every KV head to its
+query heads (``_sdpa_gqa``; same numbers).
 
-Reproducibility: every completion draws its uniforms from its own
-``torch.Generator`` seeded by (seed, whole-batch prompt index, sample index)
-(``SamplingParams.first_prompt_index``), and samples by inverting the CDF of
-the filtered distribution, so a completion's tokens do not depend on which
-other prompts share its batch, on ``max_batch_size`` or on how a batch was split
-over engines (its log-probs only up to float rounding: BLAS sums depend on the
-batch shape).
+Reproducibility: the uniform that draws token t of sample j of the batch's
+prompt i (its index in the whole batch: ``SamplingParams.first_prompt_index``
+plus its index in the request) is a counter-based hash of (seed, i, j, t) and
+nothing else -- murmur3 blocks and finaliser on int64 tensors, two lanes
+making a 64-bit row key, 53 random bits a uniform (``row_keys``,
+``uniforms``) -- made for all rows at once, and the token is drawn by
+inverting the CDF of the filtered distribution at it. So a completion's
+tokens do not depend on which other prompts share its batch, on the batch
+size or on how a batch was split over engines (its log-probs only up to float
+rounding: BLAS sums depend on the batch shape).
 
 Threads: the matmuls here are tiny, so on a busy CPU torch's intra-op threads
 mostly wait for each other; callers that share cores may want
@@ -31,11 +44,11 @@ mostly wait for each other; callers that share cores may want
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from vime import device as vime_device
 from vime import profiling
@@ -50,10 +63,69 @@ def _token_ids(value: Any) -> set[int]:
     return {int(v) for v in value}
 
 
-def _row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    # A hash rather than arithmetic so neighbouring rows get unrelated streams.
-    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}".encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), "little") >> 1
+# Counter-based uniforms: murmur3's 32-bit block and finaliser, on int64 tensors whose
+# values stay in [0, 2**32): products are taken in 16-bit halves (none reaches 2**49) and
+# shifts stay below 2**63, so int64 never overflows. The same functions work on Python ints.
+_M32 = 0xFFFFFFFF
+_LANES = (0x9E3779B9, 0x7F4A7C15)  # the two hashes' seeds
+_BLOCK_STEPS = 64  # uniforms are made this many decode steps at a time
+_DROP_FRACTION = 4  # finished rows are dropped once they are 1/_DROP_FRACTION of the batch
+_MAX_SAMPLING_ENTRIES = 1 << 26  # rows x vocab of a step's sampling tensors (CDF: 512 MiB)
+
+
+def _mul32(x: Any, c: int) -> Any:
+    """``(x * c) mod 2**32`` for ``x`` in [0, 2**32) and a 32-bit constant ``c``."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _rotl32(x: Any, r: int) -> Any:
+    return ((x << r) & _M32) | (x >> (32 - r))
+
+
+def _absorb(h: Any, k: Any) -> Any:
+    """One murmur3_32 block: the 32-bit word ``k`` into the state ``h``."""
+    k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
+    return (_mul32(_rotl32(h ^ k, 13), 5) + 0xE6546B64) & _M32
+
+
+def _fmix32(h: Any) -> Any:
+    """murmur3's finaliser: every input bit reaches every output bit."""
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def row_keys(seed: int, prompt_index: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
+    """``[R, 2]`` int64: two 32-bit hashes of (``seed``, prompt index, sample index) per row.
+
+    The two hashes (murmur3 blocks under two seeds, the words in opposite orders) make a
+    64-bit key, so two rows of a run share their uniforms with probability ~2**-64.
+    """
+    seed %= 2**64
+    words = [seed & _M32, seed >> 32]
+    p = prompt_index.to(torch.int64)
+    rows = [p & _M32, p >> 32, sample_index.to(torch.int64) & _M32]
+    a, b = _LANES
+    for w in words:
+        a = _absorb(a, w)
+    for w in rows:
+        a = _absorb(a, w)
+    for w in reversed(rows):
+        b = _absorb(b, w)
+    for w in reversed(words):
+        b = _absorb(b, w)
+    return torch.stack([a, b], dim=-1)
+
+
+def uniforms(keys: torch.Tensor, first_step: int, steps: int) -> torch.Tensor:
+    """``[R, steps]`` float64 uniforms in [0, 1) with 53 random bits: entry ``[r, t]`` is
+    a hash of row ``r``'s key and the decode step ``first_step + t``, nothing else."""
+    step = torch.arange(first_step, first_step + steps, device=keys.device).unsqueeze(0)
+    x = _fmix32(_absorb(keys[:, :1], step))
+    y = _fmix32(_absorb(keys[:, 1:], step))
+    hi = _fmix32(_absorb(x, y))
+    lo = _fmix32(_absorb(y, hi))
+    return ((hi << 21) | (lo >> 11)).double() * 2.0**-53
 
 
 def _check_params(params: SamplingParams) -> None:
@@ -88,6 +160,107 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return scaled
 
 
+class _ReservedLayer(DynamicLayer):
+    """A full-attention cache layer whose keys and values live in buffers sized for the
+    whole generation: a decode step writes its column in place, where ``DynamicLayer``
+    concatenates (copying the whole cache every step). ``keys`` / ``values`` are views of
+    the filled part, so everything that reads a ``DynamicLayer`` reads this one."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        shape = (*keys.shape[:2], capacity, keys.shape[-1])
+        self._keys, self._values = keys.new_empty(shape), values.new_empty(shape)
+        self._length = 0
+        self.update(keys, values)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self._length + key_states.shape[-2]
+        if end > self._keys.shape[-2]:
+            raise RuntimeError(f"KV cache reserved for {self._keys.shape[-2]} positions, not {end}")
+        self._keys[:, :, self._length : end] = key_states
+        self._values[:, :, self._length : end] = value_states
+        self._length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._keys = self._keys.index_select(0, indices)
+        self._values = self._values.index_select(0, indices)
+        self.keys, self.values = (
+            self._keys[:, :, : self._length],
+            self._values[:, :, : self._length],
+        )
+
+
+_GQA_SDPA = "vime_sdpa_gqa"
+
+
+def _sdpa_gqa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa`` attention, except that on the CPU grouped-query attention
+    under a mask runs in the kernel (``enable_gqa``). transformers copies every KV head to
+    its query heads (``repeat_kv``) whenever there is a mask, as its fast GPU kernels need;
+    torch's CPU kernel does not, and the copy is a whole cache a layer a step."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (
+        query.device.type == "cpu"
+        and attention_mask is not None
+        and getattr(module, "num_key_value_groups", 1) > 1
+        and not kwargs.get("output_attentions")
+        and kwargs.get("position_bias") is None
+        and kwargs.get("cache") is None
+    ):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=True,
+        )  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+        is_causal=is_causal, **kwargs,
+    )  # fmt: skip
+
+
+def _use_gqa_sdpa(model: torch.nn.Module) -> None:
+    """Switch a CPU model on transformers' ``sdpa`` to :func:`_sdpa_gqa` (same masks)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register(_GQA_SDPA, _sdpa_gqa)
+    AttentionMaskInterface.register(_GQA_SDPA, sdpa_mask)
+    model.set_attn_implementation(_GQA_SDPA)
+
+
+def _expand_cache(cache: Any, to_row: torch.Tensor, capacity: int) -> None:
+    """Copy each prompt's cache rows to the rows sampling from it; full-attention layers
+    move into buffers reserved for ``capacity`` positions (others keep their own kind)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or getattr(cache, "offloading", False):
+        cache.batch_select_indices(to_row)
+        return
+    for k, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            keys, values = layer.keys.index_select(0, to_row), layer.values.index_select(0, to_row)
+            layers[k] = _ReservedLayer(keys, values, capacity)
+        else:
+            layer.batch_select_indices(to_row)
+
+
 class HFEngine:
     """``RolloutEngine`` over an HF causal-LM checkpoint (see the module docstring)."""
 
@@ -97,16 +270,22 @@ class HFEngine:
         *,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
-        max_batch_size: int = 256,
+        max_batch_tokens: int = 1 << 16,
+        max_batch_size: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
         self.device = torch.device(device)
+        self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
         self.model.to(self.device).eval().requires_grad_(False)
+        if self.device.type == "cpu":
+            _use_gqa_sdpa(self.model)
         config, gen = self.model.config, self.model.generation_config
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = frozenset(
@@ -119,6 +298,22 @@ class HFEngine:
         self._asleep = False
 
     # ---------------------------------------------------------------- generation
+
+    def rows_per_batch(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        """How many rows (completions) ``generate`` decodes together for this request.
+
+        As many as fit ``max_batch_tokens`` KV-cache positions (the longest prompt plus
+        ``max_new_tokens`` a row) while a step's ``[rows, vocab]`` sampling tensors keep
+        under 2**26 entries, and at most ``max_batch_size`` when set: the defaults decode a
+        small model's whole rollout (the embedded default's 64 prompts x 8) as one batch.
+        """
+        longest = max((len(p) for p in prompts), default=1)
+        rows = min(
+            self.max_batch_tokens // (longest + params.max_new_tokens),
+            _MAX_SAMPLING_ENTRIES // self.vocab_size,
+        )
+        rows = max(1, rows)
+        return rows if self.max_batch_size is None else min(rows, self.max_batch_size)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
@@ -147,13 +342,10 @@ class HFEngine:
             # From torch's global RNG, so a run seeded once is reproducible end to end.
             seed = int(torch.randint(0, 2**62, (1,)).item())
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+        per_batch = self.rows_per_batch(prompts, params)
         flat: list[Completion] = []
-        for start in range(0, len(rows), self.max_batch_size):
-            flat.extend(
-                self._generate_rows(
-                    prompts, rows[start : start + self.max_batch_size], params, seed
-                )
-            )
+        for start in range(0, len(rows), per_batch):
+            flat.extend(self._generate_rows(prompts, rows[start : start + per_batch], params, seed))
         return [flat[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     def _generate_rows(
@@ -171,17 +363,17 @@ class HFEngine:
         slot = {p: k for k, p in enumerate(distinct)}
         width = max(len(prompts[p]) for p in distinct)
         input_ids = torch.full((len(distinct), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        mask = torch.zeros((len(distinct), width + max_new), dtype=torch.long)
         for k, p in enumerate(distinct):
             input_ids[k, width - len(prompts[p]) :] = torch.tensor(prompts[p], dtype=torch.long)
             mask[k, width - len(prompts[p]) :] = 1
         input_ids, mask = input_ids.to(dev), mask.to(dev)
         # Left padding: real tokens are numbered from 0; pad positions just need a valid index.
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
         with profiling.span("prefill", prompts=len(distinct)):  # a trace's items (vime.profiling)
             out = self.model(
                 input_ids=input_ids,
-                attention_mask=mask,
+                attention_mask=mask[:, :width],
                 position_ids=positions,
                 use_cache=True,
                 logits_to_keep=1,
@@ -189,57 +381,73 @@ class HFEngine:
         # Rows sampling the same prompt share its prefill: copy cache rows instead of recomputing.
         to_row = torch.tensor([slot[i] for i, _ in rows], dtype=torch.long, device=dev)
         cache = out.past_key_values
-        cache.batch_select_indices(to_row)
+        # The last token sampled is never fed back: width + max_new - 1 positions at most.
+        _expand_cache(cache, to_row, width + max_new - 1)
         logits = out.logits[:, -1].index_select(0, to_row)
+        # One mask for the whole decode, the columns of the steps to come already 1: each
+        # step passes a view of its first columns (no per-step concatenation).
         mask = mask.index_select(0, to_row)
-        next_pos = mask.sum(-1, keepdim=True)
+        next_pos = mask.sum(-1, keepdim=True) - max_new
 
-        greedy = params.temperature == 0
-        uniforms = None
-        if not greedy:
-            draws = []
-            for i, j in rows:
-                gen = torch.Generator().manual_seed(
-                    _row_seed(seed, params.first_prompt_index + i, j)
-                )
-                draws.append(torch.rand(max_new, generator=gen))
-            uniforms = torch.stack(draws).to(dev)
-        stop_ids = torch.tensor(
-            sorted(self.eos_token_ids | set(params.stop_token_ids)), dtype=torch.long, device=dev
-        )
+        keys = None
+        if params.temperature != 0:
+            prompt_index = torch.tensor([params.first_prompt_index + i for i, _ in rows])
+            keys = row_keys(seed, prompt_index, torch.tensor([j for _, j in rows])).to(dev)
+        # A lookup table rather than ``isin``: one gather a step. Ids the model cannot emit
+        # cannot stop it either.
+        is_stop = torch.zeros(max(self.vocab_size, out.logits.shape[-1]), dtype=torch.bool)
+        for t in self.eos_token_ids | set(params.stop_token_ids):
+            if 0 <= t < len(is_stop):
+                is_stop[t] = True
+        is_stop = is_stop.to(dev)
         tokens = torch.zeros((num_rows, max_new), dtype=torch.long, device=dev)
         log_probs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=dev)
-        lengths = torch.zeros(num_rows, dtype=torch.long, device=dev)
-        stopped = torch.zeros(num_rows, dtype=torch.bool, device=dev)
-        live = torch.arange(num_rows, device=dev)  # original row of each batch row
+        live: torch.Tensor | None = None  # original row of each batch row; None: all, in order
+        done = torch.zeros(num_rows, dtype=torch.bool, device=dev)  # per batch row
+        u_block = None
+        steps = max_new
         for step in range(max_new):
-            u = None if uniforms is None else uniforms[live, step]
+            if keys is not None and step % _BLOCK_STEPS == 0:
+                block_keys = keys if live is None else keys.index_select(0, live)
+                u_block = uniforms(block_keys, step, min(_BLOCK_STEPS, max_new - step))
+            u = None if u_block is None else u_block[:, step % _BLOCK_STEPS]
             tok, logp = self._sample(logits, params, u)
-            tokens[live, step] = tok
-            log_probs[live, step] = logp
-            lengths[live] += 1
-            done = torch.isin(tok, stop_ids)
-            stopped[live] |= done
+            if live is None:
+                tokens[:, step], log_probs[:, step] = tok, logp
+            else:
+                tokens[live, step], log_probs[live, step] = tok, logp
+            done |= is_stop[tok]
             if step == max_new - 1:
                 break
-            if bool(done.any()):
+            finished = int(done.sum())
+            if finished == done.numel():
+                steps = step + 1
+                break
+            # Finished rows ride along (their tokens are ignored) until dropping them pays:
+            # a drop copies the whole cache.
+            if finished * _DROP_FRACTION >= done.numel():
                 keep = (~done).nonzero().squeeze(-1)
-                if keep.numel() == 0:
-                    break
-                live, tok, mask, next_pos = live[keep], tok[keep], mask[keep], next_pos[keep]
+                live = keep if live is None else live.index_select(0, keep)
+                tok, mask, next_pos = tok[keep], mask[keep], next_pos[keep]
+                done = done[keep]
+                if u_block is not None:
+                    u_block = u_block[keep]
                 cache.batch_select_indices(keep)
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
             with profiling.span("decode", rows=int(tok.shape[0])):
                 out = self.model(
                     input_ids=tok.unsqueeze(-1),
-                    attention_mask=mask,
-                    position_ids=next_pos,
+                    attention_mask=mask[:, : width + step + 1],
+                    position_ids=next_pos + step,
                     past_key_values=cache,
                     use_cache=True,
                 )
-            next_pos = next_pos + 1
             logits = out.logits[:, -1]
 
+        # A row's response runs to its first stop token (later tokens of a finished row
+        # that rode along are ignored), or to the last step.
+        stop_at = is_stop[tokens[:, :steps]]
+        stopped = stop_at.any(-1)
+        lengths = torch.where(stopped, stop_at.int().argmax(-1) + 1, steps)
         tokens_l, logp_l = tokens.tolist(), log_probs.tolist()
         lengths_l, stopped_l = lengths.tolist(), stopped.tolist()
         return [
@@ -254,10 +462,10 @@ class HFEngine:
 
     @staticmethod
     def _sample(
-        logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
+        logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits.float()
-        if uniforms is None:
+        if u is None:
             tok = logits.argmax(-1)
             logp = torch.log_softmax(logits, dim=-1)
             return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
@@ -265,13 +473,13 @@ class HFEngine:
         scaled = logits / params.temperature if params.temperature != 1.0 else logits
         kept = filter_logits(scaled, params.top_k, params.top_p)
         logp = torch.log_softmax(kept, dim=-1)  # of what was sampled from (see ``generate``)
-        probs = torch.softmax(kept, dim=-1)
-        # Inverse CDF in float64: the target stays strictly below the total mass, and a
-        # zero-probability token can never be the first index whose CDF exceeds it.
-        cdf = probs.double().cumsum(-1)
-        target = uniforms.double().unsqueeze(-1) * cdf[:, -1:]
+        # Inverse CDF in float64 over exp(logp): a filtered token's probability is exactly
+        # 0, so it never is the first index whose CDF exceeds the target, and the target
+        # is kept strictly below the total mass.
+        cdf = logp.double().exp_().cumsum_(-1)
+        total = cdf[:, -1:]
+        target = torch.minimum(u.unsqueeze(-1) * total, total.nextafter(total.new_zeros(())))
         tok = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-        tok = tok.clamp(max=logits.shape[-1] - 1)
         return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
     # ---------------------------------------------------------------- scoring
