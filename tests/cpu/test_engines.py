@@ -160,14 +160,20 @@ def test_auto_and_explicit_vllm_where_it_imports(fresh_probe) -> None:
 
 
 def test_a_run_on_auto_starts_vllm_engines_where_vllm_imports(tmp_path: Path) -> None:
-    """A real ``vime-train`` (the embedded default, engine ``auto``) reports at start-up
-    the vllm engine its engine actor chose, and why; stopped with Ctrl-C once it has
-    (the loop on vLLM is tests/cpu/test_trainer.py's)."""
+    """A real ``vime-train`` (engine ``auto``, a checkpoint of its own: the embedded
+    default's tiny model gets hf) reports at start-up the vllm engine its engine actor
+    chose, and why; stopped with Ctrl-C once it has (the loop on vLLM is
+    tests/cpu/test_trainer.py's)."""
     if not _vllm_imports():
         pytest.skip("vllm does not import here")
+    from vime.data.tasks import CHARSET
+    from vime.models.embedded import write_embedded_checkpoint
+
+    model = write_embedded_checkpoint(str(tmp_path / "model"), charset=CHARSET, seed=7)
     script = Path(sys.executable).with_name("vime-train")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
     flags = ["--actor-num-gpus-per-node", "1", "--num-rollout", "1", "--seed", "7"]
+    flags += ["--hf-checkpoint", model, "--prompt-data", "builtin:reverse"]
     proc = subprocess.Popen(
         [*command, *flags, "--output-dir", str(tmp_path / "out")],
         stdout=subprocess.PIPE,
