@@ -60,7 +60,9 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # [1, L] long
     position_ids: torch.Tensor  # [1, L] long
-    cu_seqlens: torch.Tensor  # [B+1] int32
+    # [B+1] int32: the samples' bounds in the unshared row (with shared prompts they are
+    # not this row's; run_cu_seqlens refuses such a row)
+    cu_seqlens: torch.Tensor
     prompt_lengths: torch.Tensor  # [B] long
     response_lengths: torch.Tensor  # [B] long
     loss_mask: torch.Tensor  # [B, T] float32

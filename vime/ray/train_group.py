@@ -190,11 +190,6 @@ class RayTrainGroup:
     def _all(self, what: str, method: str, *args: Any) -> list[Any]:
         return wait_all(self.submit(method, *args), what)
 
-    def init(self, args: Any, num_threads: int) -> int:
-        """Initialise every rank (``start_init`` then ``finish_init``)."""
-        self.start_init(args, num_threads)
-        return self.finish_init()
-
     def start_init(self, args: Any, num_threads: int) -> None:
         """Start every rank's initialisation and return at once: the driver starts the
         engines meanwhile. Rank 0's address (the process group's master) goes to the
@@ -212,9 +207,6 @@ class RayTrainGroup:
 
     def train(self, schedule_ref: Any) -> dict[str, float]:
         return self._all("training", "train", schedule_ref)[0]
-
-    def compute_log_probs(self, schedule_ref: Any, which: str) -> list[Any]:
-        return self._all("computing log-probs", "compute_log_probs", schedule_ref, which)
 
     def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
         self._all(f"saving rollout {rollout_id}", "save", rollout_id, extra)

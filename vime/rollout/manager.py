@@ -57,7 +57,7 @@ class _Group:
     prompt_ids: list[int]
     completions: list[Completion]
     rewards: list[float | None]
-    responses: list[str]  # as the reward saw them (``RolloutManager.decode``)
+    responses: list[str]  # as the reward saw them (``RolloutManager.decode_all``)
 
 
 def rollout_seed(seed: int, rollout_id: int, round_index: int = 0) -> int:
@@ -222,14 +222,11 @@ class RolloutManager:
             return prompt.text
         return self.tokenizer.decode(self.prompt_ids[prompt.index], skip_special_tokens=False)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The response as the reward sees it: the final stop token removed, every other
-        token kept, special ones included. Skipping special tokens would make them free
-        filler: a policy learns to pad wrong answers with them instead of stopping."""
-        return self.decode_all([ids])[0]
-
     def decode_all(self, responses: Sequence[Sequence[int]]) -> list[str]:
-        """``decode`` of each of ``responses``, in one tokenizer call."""
+        """Each response as the reward sees it, in one tokenizer call: the final stop token
+        removed, every other token kept, special ones included. Skipping special tokens
+        would make them free filler: a policy learns to pad wrong answers with them
+        instead of stopping."""
         trimmed = [
             list(ids[:-1]) if ids and ids[-1] in self.stop_token_ids else list(ids)
             for ids in responses
