@@ -50,7 +50,7 @@ from vime.ray.engines import (
     hf_engine_dtype,
     resolve_engine,
 )
-from vime.ray.placement import Layout
+from vime.ray.placement import Layout, init_local_ray
 from vime.rollout.types import SamplingParams
 from vime.rollout.vllm_engine import vllm_import_error
 
@@ -332,7 +332,7 @@ def test_a_dead_engine_is_named_as_the_cause() -> None:
     ray = pytest.importorskip("ray")
     from vime.ray.placement import ActorFailure, label_actor
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
 
         @ray.remote
@@ -367,7 +367,7 @@ def test_a_process_an_engine_starts_joins_the_runs_ray_cluster() -> None:
         "import ray; ray.init(log_to_driver=False); "
         "print(ray.get_runtime_context().gcs_address); ray.shutdown()"
     )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
 
         @ray.remote(num_cpus=0)

@@ -11,7 +11,8 @@ a one-line ``ConfigError`` naming the address and the head's port, where
 ``ray.init`` would retry for minutes. Ranks and engines take the placement group's
 bundles node by node, however Ray numbered them. Once Ray is up SIGTERM stops the
 run as Ctrl-C does, until ``stop_ray`` gives the signal its handler back; Ray's
-notice of its default authentication is quieted, its warning of none is not.
+notice of its default authentication is quieted, its warning of none is not. A
+local start later than Ray's fixed 30 s is cleaned up and tried again.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from vime.ray.placement import (
     ActorFailure,
     Layout,
     Terminated,
+    init_local_ray,
     label_actor,
     layout_of,
     node_major_order,
@@ -87,7 +89,7 @@ def test_wait_all_fails_fast_when_an_actor_dies() -> None:
     """A dead actor stops the wait at once, not when its stuck peer gives up, and the
     one-line message says which actor (``label_actor``) died or raised what."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
 
         @ray.remote
@@ -243,3 +245,56 @@ def test_only_rays_notice_of_its_default_auth_is_quieted() -> None:
         auth.logger.setLevel(level)
     messages = [r.getMessage() for r in seen.records]
     assert len(messages) == 1 and messages[0].startswith("Token authentication is disabled")
+
+
+def test_a_late_local_start_is_cleaned_up_and_tried_again(monkeypatch, capsys) -> None:
+    """Ray gives its raylet a fixed 30 s to register; on a busy machine a start can be
+    late once. ``init_local_ray`` kills what the late start left (a real child process
+    stands in for its GCS), says so in one line, and the next, real ``ray.init`` runs.
+    Any other error, or a start late every time, is raised as it is."""
+    import subprocess
+
+    ray = pytest.importorskip("ray")
+    from vime.ray import placement
+
+    real_init, strays, calls = ray.init, [], []
+
+    def late_then(real: bool):
+        def init(**kwargs) -> None:
+            calls.append(kwargs)
+            if len(calls) == 1 or not real:
+                strays.append(subprocess.Popen(["sleep", "600"]))
+                raise Exception("The current node timed out during startup. This ...")
+            real_init(**kwargs)
+
+        return init
+
+    monkeypatch.setattr(ray, "init", late_then(real=True))
+    try:
+        init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        assert ray.is_initialized() and len(calls) == 2
+        assert (
+            calls[0] == calls[1] == dict(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        )
+    finally:
+        ray.shutdown()
+    assert strays[0].wait(timeout=10) == -signal.SIGKILL  # the late start's process is gone
+    assert "did not start within Ray's 30 s" in capsys.readouterr().out
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", late_then(real=False))
+    with pytest.raises(Exception, match="timed out during startup"):
+        init_local_ray(num_cpus=1)
+    assert len(calls) == placement.LOCAL_START_TRIES
+    for stray in strays[1:]:
+        stray.kill()
+
+    def refuses(**kwargs) -> None:
+        calls.append(kwargs)
+        raise ValueError("num_cpus must be >= 0")
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", refuses)
+    with pytest.raises(ValueError):
+        init_local_ray(num_cpus=-1)
+    assert len(calls) == 1

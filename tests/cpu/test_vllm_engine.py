@@ -444,13 +444,15 @@ def test_engine_actor_openmp_sleeps_when_idle(
     import ray
 
     from vime.ray.engines import EngineGroup
-    from vime.ray.placement import Layout, reserve
+    from vime.ray.placement import Layout, init_local_ray, reserve
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # inherited by Ray's workers
     started = not ray.is_initialized()
     if started:
         job_env = {"env_vars": {"VIME_TEST_JOB_VAR": "kept"}}
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=job_env)
+        init_local_ray(
+            num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=job_env
+        )
     try:
         layout = Layout(
             num_train=1, num_engines=1, gpus_per_engine=1, colocate=False, use_gpu=False

@@ -37,6 +37,9 @@ from vime.config.validate import rollout_device_count
 from vime.tracking import HF_PROGRESS_BARS_VAR
 
 READY_TIMEOUT_S = 120.0
+LOCAL_START_TRIES = 3
+# What Ray 2.60's ``Node`` raises when the raylet has not registered within 30 s.
+_LATE_START = "timed out during startup"
 # How long joining a cluster waits for its GCS port to accept a connection, and then
 # for a gRPC handshake and for an answer to one call (a real GCS takes milliseconds).
 CONNECT_TIMEOUT_S = 5.0
@@ -114,13 +117,41 @@ def start_ray(address: str | None, min_cpus: int) -> None:
         # The "ray" logger at WARNING: a local start's INFO line ("Started a local Ray
         # instance") tells the user nothing they did not ask for.
         with _environment(env_vars):
-            ray.init(
+            init_local_ray(
                 num_cpus=cpus,
                 include_dashboard=False,
                 log_to_driver=True,
                 logging_level=logging.WARNING,
             )
     _stop_on_sigterm(before)
+
+
+def init_local_ray(**kwargs: Any) -> None:
+    """``ray.init(**kwargs)`` for a new local Ray, tried up to ``LOCAL_START_TRIES`` times.
+
+    Ray 2.60 gives its raylet a fixed 30 s to register with the GCS, then raises. On a
+    busy machine (two cores shared with other jobs) that start can be late once and
+    fine the next time, so a late start is shut down and tried again, with one line.
+    """
+    for attempt in range(1, LOCAL_START_TRIES + 1):
+        before = _child_pids()
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as err:  # Ray raises a bare Exception for this
+            if _LATE_START not in str(err) or attempt == LOCAL_START_TRIES:
+                raise
+            # The failed node's GCS, raylet and reaper are this process's children and
+            # nothing else holds them (``ray.init`` never kept the node): stop them.
+            for pid in _child_pids() - before:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            ray.shutdown()
+            print(
+                f"vime: Ray's local node did not start within Ray's 30 s (a busy machine?); "
+                f"trying again ({attempt + 1} of {LOCAL_START_TRIES})",
+                flush=True,
+            )
 
 
 @contextlib.contextmanager
@@ -136,6 +167,20 @@ def _environment(env_vars: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _child_pids() -> set[int]:
+    """This process's child processes, from ``/proc`` (empty where there is none)."""
+    me, pids = os.getpid(), set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                path = f"/proc/{entry.name}/stat"
+                with contextlib.suppress(OSError, IndexError, ValueError), open(path) as f:
+                    # ``pid (comm) state ppid ...``; comm may hold spaces.
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        pids.add(int(entry.name))
+    return pids
 
 
 def stop_ray() -> None:
