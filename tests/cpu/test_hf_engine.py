@@ -19,13 +19,16 @@ default a whole rollout is one batch; greedy equals argmax decoding; stop
 tokens and ``max_new_tokens`` end completions with the right reason;
 ``update_weights`` makes the engine serve exactly the new model and advances
 ``weight_version``, and rejects unknown names, wrong shapes and incomplete
-sets; a sleeping engine refuses all work, on the CPU too.
+sets; weights loaded from another thread mid-generation land between two decode
+steps, the later tokens sampled by them (on the KV cache kept), each completion
+naming both versions; a sleeping engine refuses all work, on the CPU too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections import Counter
 
 import pytest
@@ -420,13 +423,19 @@ def test_stop_tokens_and_max_new_tokens(engine) -> None:
     assert empty == [[Completion(PROMPTS[0], [], [], "length")]]
 
 
+@torch.no_grad()
+def perturbed(checkpoint: str, seed: int) -> torch.nn.Module:
+    """The checkpoint's model with every weight moved by N(0, 0.1²) noise."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
 def test_update_weights_serves_the_new_model(checkpoint: str) -> None:
     engine = HFEngine(checkpoint)
-    new_model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in new_model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    new_model = perturbed(checkpoint, seed=0)
     # HF names as a trainer sends them: tied embeddings under lm_head only, in small buckets.
     named = [(n, t) for n, t in new_model.state_dict().items() if n != "model.embed_tokens.weight"]
     assert any(n == "lm_head.weight" for n, _ in named)
@@ -445,6 +454,59 @@ def test_update_weights_serves_the_new_model(checkpoint: str) -> None:
         max((torch.tensor(c.log_probs) - s).abs().max() for c, s in zip(after, stale, strict=True))
         > 1e-2
     )
+
+
+def test_weights_loaded_mid_generation_sample_the_tokens_after(checkpoint: str) -> None:
+    """A load from another thread while ``generate`` runs lands between two decode steps:
+    the rows go on, every token up to that step has the old model's log-prob, every later
+    one the new model's on the KV cache the old one wrote, and each records (0, 5)."""
+    engine = HFEngine(checkpoint)
+    new_model = perturbed(checkpoint, seed=1)
+    named = [(n, t.clone()) for n, t in new_model.state_dict().items()]
+    switch_after = 2  # forwards 0 (prefill), 1, 2 run on the old weights
+    forwards = 0
+    loader = threading.Thread(target=engine.update_weights, args=([named], 5))
+
+    def hook(module, args, output) -> None:
+        nonlocal forwards
+        if forwards == switch_after:  # still inside forward 2's step: the load must wait
+            loader.start()
+            while engine.gate.loads_waiting == 0:
+                threading.Event().wait(0.001)
+        forwards += 1
+
+    handle = engine.model.register_forward_hook(hook)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=5)
+    try:
+        out = flat(engine.generate(PROMPTS, params))
+    finally:
+        handle.remove()
+        loader.join(timeout=30)
+    assert engine.weight_version == 5
+    old_model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    long_ones = [c for c in out if len(c.response_ids) > switch_after + 1]
+    assert long_ones, "no completion outlived the switch; pick another seed"
+    for c in out:
+        assert c.weight_versions == ((0, 5) if c in long_ones else (0, 0))
+    k = switch_after + 1  # tokens 0..k-1 were sampled before the load
+    for c, old in zip(long_ones, trainer_log_probs(old_model, long_ones, 1.0), strict=True):
+        got = torch.tensor(c.log_probs)
+        torch.testing.assert_close(got[:k], old[:k], rtol=0, atol=1e-5)
+        # Later tokens: the new weights reading the KV cache the old ones wrote (kept).
+        kept = kept_cache_log_probs(old_model, new_model, c, len(c.prompt_ids) + k - 1)
+        torch.testing.assert_close(got[k:], kept, rtol=0, atol=1e-5)
+        assert (got[k:] - old[k:]).abs().max() > 1e-3  # the old model alone is told apart
+
+
+@torch.no_grad()
+def kept_cache_log_probs(old_model, new_model, c: Completion, switch: int) -> torch.Tensor:
+    """Log-probs of the response tokens after position ``switch``: positions before it
+    cached by ``old_model``, the rest run by ``new_model`` on that cache."""
+    ids = torch.tensor([c.prompt_ids + c.response_ids])
+    cache = old_model(input_ids=ids[:, :switch], use_cache=True).past_key_values
+    logits = new_model(input_ids=ids[:, switch:-1], past_key_values=cache).logits[0]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, ids[0, switch + 1 :, None]).squeeze(-1)
 
 
 def test_update_weights_rejects_bad_sets(checkpoint: str) -> None:
@@ -497,4 +559,7 @@ def test_a_sleeping_engine_refuses_work_on_cpu_too(checkpoint: str) -> None:
     engine.wake_up()
     engine.update_weights(weights, version=1)
     assert engine.weight_version == 1
-    assert flat(engine.generate(PROMPTS, params)) == before
+    again = flat(engine.generate(PROMPTS, params))
+    assert [dataclasses.replace(c, weight_versions=None) for c in again] == [
+        dataclasses.replace(c, weight_versions=None) for c in before
+    ]

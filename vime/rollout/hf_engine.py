@@ -37,6 +37,13 @@ tokens do not depend on which other prompts share its batch, on the batch
 size or on how a batch was split over engines (its log-probs only up to float
 rounding: BLAS sums depend on the batch shape).
 
+New weights while generating (asynchronous rollout): ``update_weights`` may be called
+from another thread while ``generate`` runs. Each forward (the prefill, every decode
+step, ``score``) and each whole weight load pass one gate, so a load lands between two
+decode steps (``vime.rollout.step_gate``) and the rows in flight go on with their
+tokens and KV cache kept; each ``Completion`` records the oldest and newest version
+that sampled its tokens.
+
 Threads: the matmuls here are tiny, so on a busy CPU torch's intra-op threads
 mostly wait for each other; callers that share cores may want
 ``torch.set_num_threads(1)``. The engine leaves that process-wide setting alone.
@@ -52,6 +59,7 @@ from transformers.cache_utils import DynamicLayer
 
 from vime import device as vime_device
 from vime import profiling
+from vime.rollout.step_gate import StepGate
 from vime.rollout.types import Completion, SamplingParams, wake_tags
 
 
@@ -296,6 +304,8 @@ class HFEngine:
         self.pad_token_id = int(next(p for p in pads if p is not None))
         self.weight_version = 0
         self._asleep = False
+        # Each forward and each whole weight load: a load lands between two decode steps.
+        self.gate = StepGate()
 
     # ---------------------------------------------------------------- generation
 
@@ -370,7 +380,13 @@ class HFEngine:
         input_ids, mask = input_ids.to(dev), mask.to(dev)
         # Left padding: real tokens are numbered from 0; pad positions just need a valid index.
         positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
-        with profiling.span("prefill", prompts=len(distinct)):  # a trace's items (vime.profiling)
+        # The version that made each step's logits, i.e. sampled token ``step``.
+        versions: list[int] = []
+        with (
+            profiling.span("prefill", prompts=len(distinct)),
+            self.gate.step(),
+        ):  # (a trace's items)
+            versions.append(self.weight_version)
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=mask[:, :width],
@@ -433,7 +449,8 @@ class HFEngine:
                 if u_block is not None:
                     u_block = u_block[keep]
                 cache.batch_select_indices(keep)
-            with profiling.span("decode", rows=int(tok.shape[0])):
+            with profiling.span("decode", rows=int(tok.shape[0])), self.gate.step():
+                versions.append(self.weight_version)
                 out = self.model(
                     input_ids=tok.unsqueeze(-1),
                     attention_mask=mask[:, : width + step + 1],
@@ -456,6 +473,7 @@ class HFEngine:
                 response_ids=tokens_l[r][: lengths_l[r]],
                 log_probs=logp_l[r][: lengths_l[r]],
                 finish_reason="stop" if stopped_l[r] else "length",
+                weight_versions=(versions[0], versions[max(0, lengths_l[r] - 1)]),
             )
             for r, (i, _) in enumerate(rows)
         ]
@@ -498,7 +516,9 @@ class HFEngine:
         if prompt_len == len(token_ids):
             return []
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0, prompt_len - 1 : -1].float()
+        with self.gate.step():
+            logits = self.model(input_ids=ids, use_cache=False).logits
+        logits = logits[0, prompt_len - 1 : -1].float()
         if temperature not in (0.0, 1.0):
             logits = logits / temperature
         logp = torch.log_softmax(logits, dim=-1)
@@ -514,9 +534,14 @@ class HFEngine:
         are one tensor here, so either name (or both) updates it. Every
         parameter must be covered; an unknown name or a shape mismatch raises.
         On an error the model may hold a partial update and ``weight_version``
-        is not advanced: send the full set again.
+        is not advanced: send the full set again. A ``generate`` running in another
+        thread waits between two decode steps until the load is done.
         """
         self._check_awake()
+        with self.gate.load():
+            self._load(buckets, version)
+
+    def _load(self, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
         state_names = set(self.model.state_dict().keys())
         named = {
             name: t

@@ -64,6 +64,9 @@ class Completion:
     log_probs: list[float]  # one per response token, at the sampling temperature
     finish_reason: str = "length"  # "stop" (EOS / stop token) or "length"
     extra: dict[str, Any] = field(default_factory=dict)
+    # (oldest, newest) weight version that sampled its tokens: they differ when new
+    # weights arrived while it was generating (asynchronous rollout). None: not recorded.
+    weight_versions: tuple[int, int] | None = None
 
 
 class RolloutEngine(Protocol):
