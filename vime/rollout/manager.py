@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ class RolloutManager:
                 args.custom_advantage_function_path, expected=compute_advantages
             )
         self._takes_valid = "valid" in inspect.signature(self.advantage_fn).parameters
+        self._score_lock = threading.Lock()
 
     # ----- training rollouts ---------------------------------------------------------------
 
@@ -147,7 +149,17 @@ class RolloutManager:
         if len(kept) < want:
             raise DataExhausted(f"the prompts ran out during rollout {rollout_id}")
         elapsed = time.perf_counter() - start
-        batch = self._to_batch(kept)
+        metrics = self.batch_metrics(kept, failures=failures, drawn=drawn)
+        metrics["perf/rollout_time_s"] = elapsed
+        metrics["perf/rollout_tokens_per_s"] = generated_tokens / max(elapsed, 1e-9)
+        if args.dynamic_sampling_filter:
+            metrics["rollout/groups_filtered"] = float(len(agreeing) - max(0, short))
+            metrics["rollout/groups_short"] = float(max(0, short))
+            metrics["rollout/groups_surplus"] = float(surplus)
+        return self.to_batch(kept), metrics
+
+    def batch_metrics(self, kept: list[_Group], *, failures: int, drawn: int) -> dict[str, float]:
+        """Reward, length and accuracy figures of the groups a rollout trains."""
         rewards = [r for g in kept for r in g.rewards if r is not None]
         lengths = [len(c.response_ids) for g in kept for c in g.completions]
         truncated = [c.finish_reason == "length" for g in kept for c in g.completions]
@@ -160,20 +172,19 @@ class RolloutManager:
             "rollout/truncated_frac": _mean(truncated),
             "rollout/reward_failures": float(failures),
             "rollout/prompts_drawn": float(drawn),
-            "perf/rollout_time_s": elapsed,
-            "perf/rollout_tokens_per_s": generated_tokens / max(elapsed, 1e-9),
         }
-        if args.dynamic_sampling_filter:
-            metrics["rollout/groups_filtered"] = float(len(agreeing) - max(0, short))
-            metrics["rollout/groups_short"] = float(max(0, short))
-            metrics["rollout/groups_surplus"] = float(surplus)
         if self.is_correct is not None:
             metrics["rollout/accuracy"] = _mean(self._correct(kept))
-        return batch, metrics
+        return metrics
 
     def _sample(self, prompts: Sequence[Prompt], seed: int) -> list[_Group]:
+        params = self.sampling_params(seed)
+        return self.score(prompts, self.engines.generate(self.ids(prompts), params))
+
+    def sampling_params(self, seed: int) -> SamplingParams:
+        """The training rollouts' sampling settings, drawn with ``seed``."""
         args = self.args
-        params = SamplingParams(
+        return SamplingParams(
             n=args.n_samples_per_prompt,
             temperature=args.rollout_temperature,
             top_p=args.rollout_top_p,
@@ -182,10 +193,15 @@ class RolloutManager:
             stop_token_ids=self.stop_token_ids,
             seed=seed,
         )
-        return self._score(prompts, self.engines.generate(self._ids(prompts), params))
 
-    def _ids(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+    def ids(self, prompts: Sequence[Prompt]) -> list[list[int]]:
         return [self.prompt_ids[p.index] for p in prompts]
+
+    def score(self, prompts: Sequence[Prompt], completions: list[list[Completion]]) -> list[_Group]:
+        """Each prompt's completions, decoded and scored, as one group. One caller at a
+        time (the asynchronous producer scores in a thread of its own while eval may)."""
+        with self._score_lock:
+            return self._score(prompts, completions)
 
     def _score(
         self, prompts: Sequence[Prompt], completions: list[list[Completion]]
@@ -233,7 +249,8 @@ class RolloutManager:
         ]
         return self.tokenizer.batch_decode(trimmed, skip_special_tokens=False)
 
-    def _to_batch(self, groups: list[_Group]) -> RolloutBatch:
+    def to_batch(self, groups: list[_Group]) -> RolloutBatch:
+        """The groups as the token-level batch training takes, advantages computed."""
         n = self.args.n_samples_per_prompt
         rewards = []
         for group in groups:
@@ -285,8 +302,8 @@ class RolloutManager:
         )
         saved, self.prompt_ids = self.prompt_ids, prompt_ids
         try:
-            completions = self.engines.generate(self._ids(prompts), params)
-            groups = self._score(prompts, completions)
+            completions = self.engines.generate(self.ids(prompts), params)
+            groups = self.score(prompts, completions)
         finally:
             self.prompt_ids = saved
         rewards = [r for g in groups for r in g.rewards if r is not None]
