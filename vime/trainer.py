@@ -44,6 +44,7 @@ from vime.ray.placement import (
     wait_all,
 )
 from vime.ray.train_group import RayTrainGroup
+from vime.ray.transports import make_transport
 from vime.rollout.manager import DataExhausted, RolloutManager
 from vime.rollout.rewards import build_reward_scorer, reward_needs_label
 from vime.rollout.types import MEMORY_TAGS
@@ -196,9 +197,8 @@ class Run:
         )
         if self.start_rollout > 0:
             self.manager.load_state_dict(self._loaded_data_position(args.load))
-        self.transport = weight_transport(args, use_gpu)
-        if self.transport == "broadcast":
-            self.train_group.setup_broadcast(self.engines, "nccl" if use_gpu else "gloo")
+        self.transport = make_transport(args, use_gpu, self.train_group, self.engines)
+        self.transport.setup()
         startup.mark("other")
         self.timing = StepTiming(
             self.train_group,
@@ -303,24 +303,11 @@ class Run:
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the trainer's weights to every engine and check they serve ``version``."""
-        args, engines = self.args, self.engines
-        versions = None
         try:
-            if self.transport == "object-store":
-                size = args.update_weight_buffer_size
-                versions = self.train_group.sync_object_store(engines, size, version)
-            elif self.transport == "broadcast":
-                self.train_group.sync_broadcast(engines, args.update_weight_buffer_size, version)
-            elif self.transport == "cuda-ipc":
-                self.train_group.sync_cuda_ipc(engines, args.update_weight_buffer_size, version)
-            else:
-                folder = os.path.join(self.output_dir, "weight_sync")
-                self.train_group.sync_disk(engines, folder, version)
+            versions = self.transport.sync(version)
         except ActorFailure:
-            engines.raise_if_one_died("syncing weights")  # the cause, if an engine died
+            self.engines.raise_if_one_died("syncing weights")  # the cause, if an engine died
             raise
-        if versions is None:
-            versions = engines.weight_versions()
         if any(v != version for v in versions):
             raise RuntimeError(f"engines serve weight versions {versions}, expected {version}")
         return {"weights/version": float(version)}
@@ -535,20 +522,6 @@ def _task(name: str | None) -> Any:
     from vime.data.tasks import get_task
 
     return get_task(name)
-
-
-def weight_transport(args: Config, use_gpu: bool) -> str:
-    """The weight transport: as asked (validated), or for ``auto``: CUDA IPC where every
-    engine shares its GPU with the training rank it reads from, an NCCL broadcast to
-    one-GPU engines on GPUs of their own, else the Ray object store."""
-    if args.weight_sync != "auto":
-        return args.weight_sync
-    if use_gpu and args.rollout_num_gpus_per_engine == 1:
-        # NCCL takes one rank per GPU: colocated engines share the training ranks' GPUs.
-        return "cuda-ipc" if args.colocate else "broadcast"
-    # CPU, or tensor-parallel engines, whose actors hold no GPU to receive on (vLLM's
-    # workers hold them): through host memory.
-    return "object-store"
 
 
 def _fmt(metrics: dict[str, float]) -> str:

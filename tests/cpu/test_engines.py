@@ -1,4 +1,5 @@
-"""``vime.ray.engines``: the engine choice and how prompts are split over engines.
+"""``vime.ray.engines``: the engine choice (``vime.rollout.registry``) and how prompts
+are split over engines.
 
 Proves that ``--rollout-engine auto`` picks vLLM exactly when it imports -- not
 merely when the package is present but its import raises -- and says why, that a real
@@ -42,15 +43,13 @@ from vime.config.parser import parse_args
 from vime.ray import engines
 from vime.ray.engines import (
     COLOCATED_GPU_SHARE,
-    TINY_MODEL_REASON,
     EngineGroup,
     _split,
     engine_actor_spec,
-    engine_max_model_len,
-    hf_engine_dtype,
-    resolve_engine,
 )
 from vime.ray.placement import Layout, init_local_ray
+from vime.rollout.builders import engine_max_model_len, hf_engine_dtype
+from vime.rollout.registry import TINY_MODEL_REASON, resolve_engine
 from vime.rollout.types import SamplingParams
 from vime.rollout.vllm_engine import vllm_import_error
 

@@ -51,14 +51,9 @@ from vime.checkpoint import TRACKER, iteration_dir
 from vime.config.parser import parse_args
 from vime.data.batch import RolloutBatch, schedule
 from vime.perf import safetensors_shapes
-from vime.ray.engines import TINY_MODEL_REASON
-from vime.trainer import (
-    DeviceTurns,
-    plan_updates,
-    save_due,
-    update_order_seed,
-    weight_transport,
-)
+from vime.ray.transports import weight_transport
+from vime.rollout.registry import TINY_MODEL_REASON
+from vime.trainer import DeviceTurns, plan_updates, save_due, update_order_seed
 
 REQUIRED = [
     "rollout/reward_mean",

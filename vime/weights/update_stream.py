@@ -2,7 +2,7 @@
 
 Where it fits: the receiving side of the push transports (``broadcast``,
 ``cuda-ipc``). Training rank 0 hands a rollout engine one bucket per Ray call
-(``vime.ray.train_group``), and ``vime.ray.engines.EngineActor`` passes each one to
+(``vime.ray.transports``), and ``vime.ray.engines.EngineActor`` passes each one to
 an ``UpdateStream``, which feeds them all into a *single* ``update_weights`` call
 running on a thread of its own, as if the whole set had arrived at once.
 
