@@ -4,7 +4,9 @@ Where it fits: ``vime.cli`` parses and validates the flags and calls ``run``.
 Everything here is sequencing; the parts live elsewhere: prompts and tasks in
 ``vime.data``, generation and rewards in ``vime.rollout``, placement in
 ``vime.ray``, the backends behind ``vime.backends.registry``, metrics in
-``vime.tracking``. ``Run`` builds them once; ``Run.step`` is one rollout.
+``vime.tracking``. ``Run`` builds them once; ``Run.step`` is one rollout. With
+``--max-staleness`` >= 1 a rollout's batch comes from ``RolloutProducer``, which
+keeps the engines generating in a thread of its own; the steps are the same.
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ from vime.ray.placement import (
     cluster_gpus,
     layout_of,
     reserve,
+    split_cores,
     start_ray,
     stop_ray,
     wait_all,
 )
 from vime.ray.train_group import RayTrainGroup
 from vime.ray.transports import make_transport
+from vime.rollout import registry as engine_registry
 from vime.rollout.manager import DataExhausted, RolloutManager
+from vime.rollout.producer import ProducerSettings, RolloutProducer
 from vime.rollout.rewards import build_reward_scorer, reward_needs_label
 from vime.rollout.types import MEMORY_TAGS
 from vime.step_timing import StepTiming
@@ -148,11 +153,17 @@ class Run:
         self.placement = reserve(layout)
         startup.mark("ray")
         threads = max(1, (os.cpu_count() or 1) // max(1, args.actor_num_gpus_per_node))
+        train_cores, engine_cores = None, None
+        if cpu_split(args, use_gpu):
+            # Both sides work at once: on the CPU each gets cores of its own, as on GPUs.
+            train_cores, engine_cores = split_cores(
+                sorted(os.sched_getaffinity(0)), layout.num_train, layout.num_engines
+            )
         self.train_group = RayTrainGroup(args.train_backend, self.placement)
         # The ranks initialise while the engines start; colocated, training goes to sleep
         # first (DeviceTurns), so the engines wait for it.
         started = time.time()
-        self.train_group.start_init(args, threads)
+        self.train_group.start_init(args, threads, train_cores)
         if args.colocate:
             self.start_rollout = self.train_group.finish_init()
             startup.mark("trainer")
@@ -168,7 +179,7 @@ class Run:
         self.turns = DeviceTurns(
             self.train_group,
             lambda: EngineGroup(
-                args.rollout_engine, checkpoint_dir, self.placement, engine_options
+                args.rollout_engine, checkpoint_dir, self.placement, engine_options, engine_cores
             ),
             colocate=args.colocate,
         )
@@ -183,6 +194,18 @@ class Run:
             startup.together("trainer", "engines")
         engines = f"{self.engines.kind} ({self.engines.reason}), {layout.num_engines} engine(s)"
         self.log(f"vime: rollout engine {engines}")
+        if engine_cores is not None:  # as the processes see it, not as planned
+            cores = f"training {self.train_group.cpu_cores()}, engines {self.engines.cpu_cores()}"
+            self.log(f"vime: CPU cores split (--cpu-split): {cores}")
+        if (
+            args.max_staleness
+            and not engine_registry.get_engine(self.engines.kind).in_flight_updates
+        ):
+            raise ConfigError(  # auto chose it: an explicit engine was refused while parsing
+                f"--max-staleness {args.max_staleness} needs an engine that takes new weights "
+                f"while it generates, and auto chose {self.engines.kind}; name one with "
+                "--rollout-engine hf, or use --max-staleness 0"
+            )
         # The driver's phases, the reward's among them (timed where the manager calls it).
         clock = PhaseClock()
         self.manager = RolloutManager(
@@ -195,8 +218,29 @@ class Run:
             is_correct=self.task.is_correct if self.task else None,
             warn=self.log,
         )
+        pending: list[int] = []
         if self.start_rollout > 0:
-            self.manager.load_state_dict(self._loaded_data_position(args.load))
+            position = self._loaded_data_position(args.load)
+            self.manager.load_state_dict(position)
+            pending = position.get("pending", [])
+            if pending and not args.max_staleness:
+                raise ConfigError(
+                    f"--load {args.load}: the checkpoint holds {len(pending)} prompts an "
+                    "asynchronous run had drawn and not trained; resume it with "
+                    "--max-staleness >= 1, so they are generated first"
+                )
+        # Asynchronous rollout (--max-staleness >= 1): generation runs in the producer's
+        # thread and rollouts take their batches from it.
+        self.producer = None
+        if args.max_staleness:
+            settings = ProducerSettings.from_args(args, layout.num_engines)
+            self.producer = RolloutProducer(
+                settings,
+                self.manager,
+                self.engines,
+                weight_version=self.start_rollout,
+                pending=pending,
+            )
         self.transport = make_transport(args, use_gpu, self.train_group, self.engines)
         self.transport.setup()
         startup.mark("other")
@@ -235,6 +279,8 @@ class Run:
             self.sync_weights(self.start_rollout)
             self.startup.mark("sync")
         self._started()
+        if self.producer is not None:
+            self.producer.start()
         for rollout_id in range(self.start_rollout, args.num_rollout):
             try:
                 metrics = self.step(rollout_id)
@@ -252,6 +298,8 @@ class Run:
                 with self.timing.phase("save"):
                     self.save(rollout_id)
             self.timing.end()
+        if self.producer is not None:
+            self.producer.close()  # what is still generating is not trained
         summary: dict[str, Any] = {"output_dir": self.output_dir}
         summary["peak_flops_source"] = self.timing.peak_source
         if self.timing.traced:
@@ -276,7 +324,10 @@ class Run:
         timing.begin(rollout_id)
         with timing.phase("rollout"):
             self.turns.rollout()
-            batch, metrics = self.manager.generate(rollout_id)
+            if self.producer is not None:
+                batch, metrics = self.producer.take(rollout_id)
+            else:
+                batch, metrics = self.manager.generate(rollout_id)
         with timing.phase("train"):
             self.turns.train()
             planned = plan_updates(args, batch, rollout_id)
@@ -284,6 +335,8 @@ class Run:
         with timing.phase("sync"):
             self.turns.weight_sync()
             metrics.update(self.sync_weights(rollout_id + 1))
+            if self.producer is not None:
+                self.producer.weights_synced(rollout_id + 1)
         with timing.phase("probe"):
             metrics.update(self._probe_diff())
         eval_due = args.eval_interval and (rollout_id + 1) % args.eval_interval == 0
@@ -298,7 +351,8 @@ class Run:
         """Checkpoint the trainer after ``rollout_id``, with the data position beside it
         (in the train turn: optimizer state awake, colocated engines asleep)."""
         self.turns.train()
-        self.train_group.save(rollout_id, {"data": self.manager.state_dict()})
+        source = self.producer if self.producer is not None else self.manager
+        self.train_group.save(rollout_id, {"data": source.state_dict()})
         self.last_saved = rollout_id
 
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -402,6 +456,9 @@ class Run:
                 tracker.finish({"status": status})  # a no-op after train() finished it
             except Exception as err:  # the run's own error is the one to report
                 print(f"vime: could not finish the run's outputs: {err}", file=sys.stderr)
+        producer = getattr(self, "producer", None)
+        if producer is not None:
+            producer.close()  # before the scorer it calls closes
         scorer = getattr(self, "scorer", None)
         if scorer is not None:
             scorer.close()
@@ -522,6 +579,14 @@ def _task(name: str | None) -> Any:
     from vime.data.tasks import get_task
 
     return get_task(name)
+
+
+def cpu_split(args: Config, use_gpu: bool) -> bool:
+    """Whether the training ranks and the engines get CPU cores of their own
+    (``--cpu-split``; auto: when both work at once, on a CPU run on this machine)."""
+    if use_gpu or joins_cluster(args) or args.cpu_split == "off":
+        return False
+    return args.cpu_split == "on" or args.max_staleness > 0
 
 
 def _fmt(metrics: dict[str, float]) -> str:

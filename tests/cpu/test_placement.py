@@ -38,6 +38,7 @@ from vime.ray.placement import (
     label_actor,
     layout_of,
     node_major_order,
+    split_cores,
     start_ray,
     stop_ray,
     wait_all,
@@ -298,3 +299,19 @@ def test_a_late_local_start_is_cleaned_up_and_tried_again(monkeypatch, capsys) -
     with pytest.raises(ValueError):
         init_local_ray(num_cpus=-1)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "cores, train, engines, expected",
+    [
+        ([0, 1], 1, 1, ([[0]], [[1]])),
+        ([5], 1, 1, ([[5]], [[5]])),  # one core: shared
+        (range(8), 2, 1, ([[0, 1], [2, 3]], [[4, 5, 6, 7]])),
+        ([3, 1, 2], 1, 2, ([[1]], [[2], [3]])),
+        ([0, 1], 2, 1, ([[0], [0]], [[1]])),  # more ranks than training's cores
+    ],
+)
+def test_split_cores_gives_each_side_its_own(cores, train, engines, expected) -> None:
+    """Training takes the first half of the cores, the engines the rest, each side's
+    split evenly; the two sides never share a core unless there is only one."""
+    assert split_cores(cores, train, engines) == expected

@@ -364,7 +364,7 @@ def test_reward_sees_a_chat_message_prompt_as_the_text_the_model_was_given(
 
     manager, _ = _setup(tmp_path, tokenizer, [RIGHT], "--rm-type", "exact")
     messages = Prompt(text=[{"role": "user", "content": "q9="}], label="ab", index=0)
-    manager.prompt_ids[0] = [tokenizer.convert_tokens_to_ids(c) for c in "<q9="]
-    assert manager._prompt_text(messages) == tokenizer.decode(manager.prompt_ids[0])
-    assert isinstance(manager._prompt_text(messages), str)
-    assert manager._prompt_text(Prompt(text="q0=", label="ab", index=0)) == "q0="
+    ids = [tokenizer.convert_tokens_to_ids(c) for c in "<q9="]
+    assert manager._prompt_text(messages, ids) == tokenizer.decode(ids)
+    assert isinstance(manager._prompt_text(messages, ids), str)
+    assert manager._prompt_text(Prompt(text="q0=", label="ab", index=0), ids) == "q0="

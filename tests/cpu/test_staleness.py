@@ -82,6 +82,8 @@ def test_k_one_admits_two_rollouts_at_version_zero() -> None:
     assert admission.room(0) == 0
     admission.discard(3)  # three filtered out: three more may start
     assert admission.room(0) == 3 and admission.room(1) == 11
+    resumed = Admission(batch_size=8, max_staleness=1, first_rollout=5)
+    assert resumed.room(5) == 16  # counted from the rollout it resumes at
 
 
 def test_a_batch_is_taken_only_whole_and_stale_ones_leave() -> None:

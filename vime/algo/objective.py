@@ -36,7 +36,9 @@ class LossConfig:
     """The loss settings of a run, built once from the parsed flags by ``from_args``.
 
     ``correction`` is the rollout correction (``--use-tis``; None: off); ``norm_len``
-    the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO).
+    the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO). ``off_policy``: the
+    samples may come from older weights (``--max-staleness`` >= 1), so π_old must be
+    the trainer's own recomputed log-probs, never the shortcut π_old = π.
     """
 
     eps_clip: float = 0.2
@@ -50,6 +52,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     agg_mode: str = "token-mean"
     norm_len: int | None = None
+    off_policy: bool = False
     policy_loss_fn: Callable[..., Any] = field(default=policy_loss, compare=False)
 
     @classmethod
@@ -75,6 +78,7 @@ class LossConfig:
             entropy_coef=args.entropy_coef,
             agg_mode=args.loss_agg_mode,
             norm_len=args.loss_agg_norm_len or args.rollout_max_response_len,
+            off_policy=args.max_staleness > 0,
             policy_loss_fn=policy_loss_fn,
         )
 
@@ -107,6 +111,11 @@ def micro_batch_loss(
     > 0 (with grad) and is reported whenever given. Every metric name is added on
     every call, so all ranks reduce the same layout.
     """
+    if old_logp is None and config.off_policy:
+        raise ValueError(
+            "off-policy batch (--max-staleness >= 1) without π_old: the trainer must "
+            "recompute it on its current weights (decoupled PPO), not take π_old = π"
+        )
     old = logp.detach() if old_logp is None else old_logp
     per_token, stats = config.policy_loss_fn(
         logp,

@@ -31,6 +31,7 @@ CORRECTION_LEVELS = ("token", "sequence")
 CORRECTION_MODES = ("truncate", "mask")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RM_TYPES = ("math", "exact", "builtin")
+CPU_SPLITS = ("auto", "on", "off")
 WEIGHT_SYNC_TRANSPORTS = ("auto", "object-store", "broadcast", "cuda-ipc", "disk")
 
 
@@ -93,6 +94,22 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
     )
     p.add_argument(
         "--rollout-batch-size", type=positive_int, default=32, help="prompts per rollout"
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=non_negative_int,
+        default=0,
+        metavar="K",
+        help="0: generate, then train, in turn; K >= 1: the engines never wait for the "
+        "trainer, which trains on samples of weights at most K rollouts old",
+    )
+    p.add_argument(
+        "--cpu-split",
+        choices=CPU_SPLITS,
+        default="auto",
+        help="CPU runs on one machine: split the cores between the training ranks and "
+        "the engines, each process pinned to its own (auto: with --max-staleness >= 1, "
+        "when both sides work at once)",
     )
     p.add_argument(
         "--n-samples-per-prompt",

@@ -214,6 +214,7 @@ def _check_engine(args: argparse.Namespace) -> None:
     for check_engine_flags in engine_registry.flag_validators():
         check_engine_flags(args)
     name = args.rollout_engine
+    _check_async_engine(args)
     if name == engine_registry.AUTO or joins_cluster(args):
         return  # on a cluster the engine actors import it, and name what fails
     error = _import_error(name)
@@ -222,6 +223,33 @@ def _check_engine(args: argparse.Namespace) -> None:
         fallback = engine_registry.FALLBACK_ENGINE
         raise ConfigError(
             f"--rollout-engine {name}: {error}; {fix}, or use --rollout-engine {fallback}"
+        )
+
+
+def _check_async_engine(args: argparse.Namespace) -> None:
+    """``--max-staleness`` >= 1: the engines keep generating while training runs and new
+    weights reach them mid-generation, so they need devices of their own and an engine
+    that takes weights between decode steps."""
+    if args.cpu_split == "on" and args.colocate:
+        raise ConfigError(
+            "--cpu-split on gives the engines CPU cores apart from training's, and "
+            "--colocate puts them on training's; drop one of the two"
+        )
+    if args.max_staleness == 0:
+        return
+    if args.colocate:
+        raise ConfigError(
+            f"--max-staleness {args.max_staleness} keeps the engines generating while the "
+            "trainer trains, and --colocate makes the two take turns on the same devices; "
+            "drop --colocate or use --max-staleness 0"
+        )
+    name = args.rollout_engine
+    if name != engine_registry.AUTO and not engine_registry.get_engine(name).in_flight_updates:
+        able = [s.name for s in engine_registry.ENGINES.values() if s.in_flight_updates]
+        raise ConfigError(
+            f"--max-staleness {args.max_staleness} needs an engine that takes new weights "
+            f"while it generates, and --rollout-engine {name} does not yet; use "
+            f"--rollout-engine {' or '.join(able)}, or --max-staleness 0"
         )
 
 

@@ -47,6 +47,9 @@ from vime.weights.update_stream import UpdateStream
 ENGINE_ENV_VARS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+# The engine actor's concurrency group of ``EngineGroup.submit``'s generations.
+GENERATE_GROUP = "generate"
+
 # The share of a GPU an engine process takes beside a training rank under --colocate.
 COLOCATED_GPU_SHARE = 0.2
 
@@ -101,6 +104,10 @@ class EngineActor:
         kind, self.reason = registry.resolve_engine(kind, options.get("tiny_model", False))
         self.kind = kind
         threads = options.get("num_threads")
+        cores = options.get("cpu_cores")
+        if cores:  # cores of its own (asynchronous rollout on the CPU): threads follow
+            os.sched_setaffinity(0, cores)
+            threads = len(cores)
         if threads:
             import torch
 
@@ -130,6 +137,10 @@ class EngineActor:
 
     def drain_spans(self) -> list[profiling.Span]:
         return profiling.drain()
+
+    def cpu_cores(self) -> list[int]:
+        """The CPU cores this engine's process may run on."""
+        return sorted(os.sched_getaffinity(0))
 
     def weight_version(self) -> int:
         return self.engine.weight_version
@@ -212,13 +223,22 @@ class EngineGroup:
     """
 
     def __init__(
-        self, kind: str, checkpoint: str, placement: Placement, options: dict[str, Any]
+        self,
+        kind: str,
+        checkpoint: str,
+        placement: Placement,
+        options: dict[str, Any],
+        cpu_cores: Sequence[Sequence[int]] | None = None,
     ) -> None:
         layout = placement.layout
-        remote = ray.remote(EngineActor)
+        # ``submit``'s calls run in a thread of their own, so weight loads and scoring (the
+        # default group) reach an engine while it generates; ``generate`` stays in order.
+        remote = ray.remote(concurrency_groups={GENERATE_GROUP: 1})(EngineActor)
         self.actors = []
         for e in range(layout.num_engines):
             spec = engine_actor_spec(layout, e, placement.order)
+            if cpu_cores is not None:
+                options = {**options, "cpu_cores": list(cpu_cores[e])}
             actor = remote.options(
                 num_cpus=spec.num_cpus,
                 num_gpus=spec.num_gpus,
@@ -245,6 +265,12 @@ class EngineGroup:
                 f"parallel), and the engines chose {self.kind} ({self.reason}); install "
                 f"{tp_engines} where the engines run, or use --rollout-num-gpus-per-engine 1"
             )
+
+    def submit(self, engine: int, prompts: list[list[int]], params: SamplingParams) -> Any:
+        """Start ``params.n`` completions per prompt on engine ``engine``; returns the ref.
+        It runs beside the engine's other calls: new weights arrive while it generates."""
+        call = self.actors[engine].generate.options(concurrency_group=GENERATE_GROUP)
+        return call.remote(prompts, params)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt; engine k serves the k-th contiguous chunk.
@@ -275,6 +301,10 @@ class EngineGroup:
     def drain_spans(self) -> list[list[profiling.Span]]:
         """Every engine's spans since the last drain, in engine order."""
         return wait_all([a.drain_spans.remote() for a in self.actors], "reading engine timings")
+
+    def cpu_cores(self) -> list[list[int]]:
+        """Every engine's CPU cores, as its process sees them."""
+        return wait_all([a.cpu_cores.remote() for a in self.actors], "reading engine cores")
 
     def weight_versions(self) -> list[int]:
         return wait_all([a.weight_version.remote() for a in self.actors], "reading versions")

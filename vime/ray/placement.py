@@ -71,6 +71,27 @@ class Layout:
         return list(range(first, first + self.gpus_per_engine))
 
 
+def split_cores(
+    cores: Sequence[int], num_train: int, num_engines: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Each training rank's and each engine's CPU cores, for a CPU run whose two sides
+    work at once (``--max-staleness`` >= 1), as a GPU run's sides have devices of their
+    own: the first half of ``cores`` (at least one) to training, the rest to the
+    engines, each side's cores split evenly between its processes. With one core, or
+    more processes than cores on a side, processes share."""
+    cores = sorted(cores)
+    train_n = max(1, len(cores) // 2)
+    train, engines = cores[:train_n], cores[train_n:] or cores[:1]
+
+    def share(side: list[int], k: int) -> list[list[int]]:
+        if k > len(side):
+            return [[side[i % len(side)]] for i in range(k)]
+        bounds = [round(i * len(side) / k) for i in range(k + 1)]
+        return [side[bounds[i] : bounds[i + 1]] for i in range(k)]
+
+    return share(train, num_train), share(engines, num_engines)
+
+
 def layout_of(args: Any, use_gpu: bool) -> Layout:
     num_train = args.actor_num_nodes * args.actor_num_gpus_per_node
     per_engine = args.rollout_num_gpus_per_engine

@@ -47,11 +47,20 @@ class TrainWorker:
 
         return node_ip(), free_port()
 
-    def init(self, args: Any, master: tuple[str, int], num_threads: int) -> tuple[int, float]:
+    def init(
+        self,
+        args: Any,
+        master: tuple[str, int],
+        num_threads: int,
+        cores: Sequence[int] | None = None,
+    ) -> tuple[int, float]:
         """Build the backend; returns the rollout the run starts at and when this rank was
-        done (``time.time()``)."""
+        done (``time.time()``). ``cores``: this rank's own CPU cores (its threads follow)."""
         import torch
 
+        if cores:
+            os.sched_setaffinity(0, cores)
+            num_threads = len(cores)
         torch.set_num_threads(num_threads)
         os.environ.update(
             MASTER_ADDR=master[0],
@@ -77,6 +86,10 @@ class TrainWorker:
         self.actor.compute_log_probs = log_probs
         profiling.enable()
         return start, time.time()
+
+    def cpu_cores(self) -> list[int]:
+        """The CPU cores this rank's process may run on."""
+        return sorted(os.sched_getaffinity(0))
 
     def peak(self) -> perf.Peak:
         """This rank's peak FLOP/s, measured at the first call: the driver asks every rank
@@ -165,12 +178,18 @@ class RayTrainGroup:
     def _all(self, what: str, method: str, *args: Any) -> list[Any]:
         return wait_all(self.submit(method, *args), what)
 
-    def start_init(self, args: Any, num_threads: int) -> None:
+    def start_init(
+        self, args: Any, num_threads: int, cpu_cores: Sequence[Sequence[int]] | None = None
+    ) -> None:
         """Start every rank's initialisation and return at once: the driver starts the
         engines meanwhile. Rank 0's address (the process group's master) goes to the
-        ranks as a ref, which Ray resolves before their ``init`` runs."""
+        ranks as a ref, which Ray resolves before their ``init`` runs. ``cpu_cores``: each
+        rank's own cores, or None to leave placement to the OS."""
         master = self.workers[0].address.remote()
-        self._init_refs = [w.init.remote(args, master, num_threads) for w in self.workers]
+        self._init_refs = [
+            w.init.remote(args, master, num_threads, None if cpu_cores is None else cpu_cores[r])
+            for r, w in enumerate(self.workers)
+        ]
 
     def finish_init(self) -> int:
         """Wait for ``start_init``'s ranks; returns the rollout the run starts at. Sets
@@ -185,6 +204,10 @@ class RayTrainGroup:
 
     def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
         self._all(f"saving rollout {rollout_id}", "save", rollout_id, extra)
+
+    def cpu_cores(self) -> list[list[int]]:
+        """Every rank's CPU cores, as its process sees them."""
+        return self._all("reading the ranks' CPU cores", "cpu_cores")
 
     def peaks(self) -> list[perf.Peak]:
         """Every rank's peak FLOP/s (``vime.perf.rank_peak``, found at start-up)."""

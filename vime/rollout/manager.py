@@ -210,7 +210,7 @@ class RolloutManager:
         n = len(completions[0]) if completions else 0
         inputs = [
             RewardInput(
-                prompt=self._prompt_text(p),
+                prompt=self._prompt_text(p, group[0].prompt_ids),
                 response=texts[g * n + j],
                 label=p.label,
                 metadata=p.metadata,
@@ -223,7 +223,7 @@ class RolloutManager:
         return [
             _Group(
                 p,
-                self.prompt_ids[p.index],
+                list(group[0].prompt_ids),
                 group,
                 rewards[g * n : (g + 1) * n],
                 texts[g * n : (g + 1) * n],
@@ -231,12 +231,12 @@ class RolloutManager:
             for g, (p, group) in enumerate(zip(prompts, completions, strict=True))
         ]
 
-    def _prompt_text(self, prompt: Prompt) -> str:
+    def _prompt_text(self, prompt: Prompt, ids: list[int]) -> str:
         """The prompt as the reward sees it: its text, or for a row of chat messages the
         templated prompt the model was given (rewards take text, as they do in slime)."""
         if isinstance(prompt.text, str):
             return prompt.text
-        return self.tokenizer.decode(self.prompt_ids[prompt.index], skip_special_tokens=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def decode_all(self, responses: Sequence[Sequence[int]]) -> list[str]:
         """Each response as the reward sees it, in one tokenizer call: the final stop token
@@ -300,12 +300,10 @@ class RolloutManager:
             stop_token_ids=self.stop_token_ids,
             seed=rollout_seed(args.seed, -1),
         )
-        saved, self.prompt_ids = self.prompt_ids, prompt_ids
-        try:
-            completions = self.engines.generate(self.ids(prompts), params)
-            groups = self.score(prompts, completions)
-        finally:
-            self.prompt_ids = saved
+        # Its own id table, never swapped in: the asynchronous producer reads the training
+        # one from its thread meanwhile.
+        ids = [prompt_ids[p.index] for p in prompts]
+        groups = self.score(prompts, self.engines.generate(ids, params))
         rewards = [r for g in groups for r in g.rewards if r is not None]
         if self.is_correct is not None:
             correct = self._correct(groups)

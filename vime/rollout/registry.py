@@ -31,6 +31,8 @@ class EngineSpec:
     ``add_flags`` / ``validate``: the engine's own flags (added to every parser, as
     ``auto`` may pick any engine) and their check, which fills in their defaults.
     ``tensor_parallel``: one engine may span several GPUs.
+    ``in_flight_updates``: it takes new weights while it generates, between two decode
+    steps (what ``--max-staleness`` >= 1 needs; ``vime.rollout.step_gate``).
     """
 
     name: str
@@ -41,6 +43,7 @@ class EngineSpec:
     add_flags: str | None = None
     validate: str | None = None
     tensor_parallel: bool = False
+    in_flight_updates: bool = False
 
 
 _SPECS = (
@@ -55,7 +58,10 @@ _SPECS = (
         tensor_parallel=True,
     ),
     EngineSpec(
-        name="hf", summary="transformers generate", builder="vime.rollout.builders:build_hf"
+        name="hf",
+        summary="transformers generate",
+        builder="vime.rollout.builders:build_hf",
+        in_flight_updates=True,
     ),
 )
 ENGINES: dict[str, EngineSpec] = {spec.name: spec for spec in _SPECS}

@@ -33,6 +33,7 @@ class Admission:
 
     batch_size: int  # B: groups a rollout trains
     max_staleness: int  # K >= 1
+    first_rollout: int = 0  # the rollout these counts start at (a resumed run's)
     started: int = 0  # groups admitted so far
     discarded: int = 0  # of those, filtered out or dropped as stale
 
@@ -46,7 +47,8 @@ class Admission:
 
     def room(self, engine_version: int) -> int:
         """Groups that may start now, with the engines serving ``engine_version``."""
-        limit = (engine_version + self.max_staleness + 1) * self.batch_size
+        ahead = engine_version - self.first_rollout + self.max_staleness + 1
+        limit = ahead * self.batch_size
         return max(0, limit - self.live)
 
     def start(self, n: int = 1) -> None:

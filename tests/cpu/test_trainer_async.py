@@ -1,0 +1,108 @@
+"""``vime-train --max-staleness K`` end to end, and its refusals.
+
+Proves, on real processes: with K = 1 a run trains every rollout on samples at most one
+version old (two fsdp2 ranks on gloo, an hf engine on a core of its own, the trainer
+recomputing pi_old: without it the loss raises), logs the asynchronous metrics, keeps
+the probe check exact after every in-flight weight sync, and evaluates and checkpoints
+while the producer runs; the checkpoint holds the prompts in flight, and a resumed run
+(K = 1) trains them first and finishes; resuming it synchronously is refused in one
+line. ``--colocate`` and an engine that cannot take weights mid-generation are refused
+while parsing.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.cpu.test_trainer import SMALL, _metrics, _train
+from vime.checkpoint import TRACKER, iteration_dir, load_metadata
+from vime.config.errors import ConfigError
+from vime.config.parser import parse_args
+
+ASYNC = ["--max-staleness", "1"]
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("async")
+    result = _train(
+        *ASYNC,
+        *("--num-rollout", "4", "--output-dir", str(out / "out")),
+        *("--save", str(out / "ckpt"), "--save-interval", "2", "--eval-interval", "2"),
+        cwd=out,
+    )
+    (out / "stdout.txt").write_text(result.stdout)
+    return out
+
+
+def test_every_rollout_trains_samples_at_most_k_old(async_run: Path) -> None:
+    rows = _metrics(async_run / "out")
+    stdout = (async_run / "stdout.txt").read_text()
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert 0 <= r["async/staleness_mean"] <= r["async/staleness_max"] <= 1
+        assert r["async/groups_in_flight"] >= 0 and r["async/buffer_groups"] >= 0
+        assert r["weights/version"] == r["rollout_id"] + 1
+        assert r["weights/probe_logprob_abs_diff"] < 1e-4  # the engines serve what trained
+        assert r["train/train_rollout_logprob_abs_diff"] >= 0
+    assert rows[0]["async/staleness_max"] == 0  # the first batch: version 0, trained at 0
+    assert max(r["async/staleness_max"] for r in rows) == 1  # generation ran ahead
+    assert "eval/pass@1" in rows[1] and "eval/pass@1" in rows[3]
+    # Each side on cores of its own, as the processes report them.
+    line = next(x for x in stdout.splitlines() if "CPU cores split" in x)
+    found = re.fullmatch(r".*: training (\[.*\]), engines (\[.*\])", line)
+    assert found, line
+    training, engines = (ast.literal_eval(found.group(k)) for k in (1, 2))
+    assert len(training) == 2 and len(engines) == 1
+    assert not {c for r in training for c in r} & {c for e in engines for c in e}
+    summary = json.loads((async_run / "out" / "summary.json").read_text())
+    assert summary["status"] == "done"
+
+
+def test_a_checkpoint_keeps_the_prompts_in_flight_and_resumes(
+    async_run: Path, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copytree(iteration_dir(async_run / "ckpt", 1), iteration_dir(ckpt, 1))
+    (ckpt / TRACKER).write_text("1\n")
+    position = load_metadata(iteration_dir(ckpt, 1))["extra"]["data"]
+    assert position["pending"]  # generation ran ahead of the checkpoint
+    out = tmp_path / "out"
+    _train(
+        *ASYNC, "--num-rollout", "4", "--output-dir", str(out), "--load", str(ckpt), cwd=tmp_path
+    )
+    resumed = _metrics(out)
+    assert [r["rollout_id"] for r in resumed] == [2, 3]
+    assert all(r["async/staleness_max"] <= 1 for r in resumed)
+    assert resumed[-1]["weights/version"] == 4
+
+    with pytest.raises(AssertionError, match="asynchronous run had drawn and not trained"):
+        _train(
+            "--num-rollout",
+            "4",
+            "--output-dir",
+            str(tmp_path / "o2"),
+            "--load",
+            str(ckpt),
+            cwd=tmp_path,
+        )
+
+
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--colocate"], "drop --colocate or use --max-staleness 0"),
+        (["--rollout-engine", "vllm"], "--rollout-engine vllm does not yet"),
+        (["--cpu-split", "on", "--colocate", "--max-staleness", "0"], "drop one of the two"),
+    ],
+)
+def test_refused_while_parsing(flags: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        parse_args([*SMALL, *ASYNC, *flags], for_run=True)

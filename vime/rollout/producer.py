@@ -1,0 +1,248 @@
+"""``RolloutProducer``: the engines generate while the trainer trains (``--max-staleness``).
+
+Where it fits: with ``--max-staleness K`` >= 1, ``vime.trainer`` takes each rollout's
+batch from a producer instead of ``RolloutManager.generate``. A thread of the driver
+keeps every engine busy: ``calls_per_engine`` calls of ``groups_per_call`` prompts
+each queued on it, a new call admitted the moment one returns, as far as
+``vime.rollout.staleness.Admission`` allows (at most K rollouts ahead of the weights
+the engines serve). Each call's groups are scored as soon as it returns, while the
+others generate, and wait in ``ReadyGroups``; ``take`` hands the trainer the first
+``--rollout-batch-size`` groups to finish that are at most K versions old. New
+weights reach the engines while they generate (``vime.rollout.step_gate``).
+
+Data: prompts are drawn from the run's one ``PromptSource`` (each read once per
+epoch). A group filtered out by dynamic sampling is consumed, as in the synchronous
+loop; a group that finished too late goes back to be generated again, so nothing is
+lost. ``state_dict`` names what was drawn and not yet trained, which a checkpoint
+keeps and a resumed run generates first.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from vime.data.batch import RolloutBatch
+from vime.data.prompts import Prompt
+from vime.ray.placement import wait_all
+from vime.rollout.manager import DataExhausted, RolloutManager, _all_agree, rollout_seed
+from vime.rollout.staleness import Admission, ReadyGroups
+
+# How long the producer's thread waits for an engine call before it looks again for
+# room to admit (new weights) or a stop.
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ProducerSettings:
+    """How far ahead and in what pieces the producer generates."""
+
+    batch_size: int  # groups a rollout trains (--rollout-batch-size)
+    max_staleness: int  # K >= 1
+    groups_per_call: int  # prompts per engine call
+    calls_per_engine: int = 2  # one generating, one queued behind it: the engine never waits
+    dynamic_sampling_filter: bool = False
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: Any, num_engines: int) -> ProducerSettings:
+        per_engine = math.ceil(args.rollout_batch_size / max(1, num_engines))
+        return cls(
+            batch_size=args.rollout_batch_size,
+            max_staleness=args.max_staleness,
+            # Two calls per engine per rollout's share: admission every half rollout.
+            groups_per_call=max(1, math.ceil(per_engine / 2)),
+            dynamic_sampling_filter=args.dynamic_sampling_filter,
+            seed=args.seed,
+        )
+
+
+@dataclass
+class _Call:
+    engine: int
+    prompts: list[Prompt]
+
+
+def _oldest_version(group: Any) -> int:
+    versions = [c.weight_versions for c in group.completions]
+    if any(v is None for v in versions):
+        raise RuntimeError("an engine returned completions without weight versions")
+    return min(v[0] for v in versions)
+
+
+class RolloutProducer:
+    """Keeps the engines generating in a thread of its own; ``take`` gives whole batches."""
+
+    def __init__(
+        self,
+        settings: ProducerSettings,
+        manager: RolloutManager,
+        engines: Any,
+        *,
+        weight_version: int = 0,
+        pending: list[int] | None = None,
+    ) -> None:
+        """``weight_version``: what the engines serve now, the rollout the run starts at;
+        ``pending``: prompts a checkpoint names as drawn and not trained (generated first)."""
+        self.settings = settings
+        self.manager, self.engines = manager, engines
+        self.admission = Admission(
+            settings.batch_size, settings.max_staleness, first_rollout=weight_version
+        )
+        self.ready: ReadyGroups[Any] = ReadyGroups(_oldest_version, settings.max_staleness)
+        by_index = {p.index: p for p in manager.source.prompts}
+        self._retry: collections.deque[Prompt] = collections.deque(
+            by_index[i] for i in pending or ()
+        )
+        self._cond = threading.Condition()
+        self._in_flight: dict[Any, _Call] = {}
+        self._engine_version = weight_version
+        self._calls = 0  # engine calls made: each one's sampling seed
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._exhausted = False
+        # Since the last take: what the trained batch's metrics report.
+        self._counts = collections.Counter()
+        # The last batch's groups: (prompt index, oldest weight version), for checks.
+        self.last_taken: list[tuple[int, int]] = []
+        self._thread = threading.Thread(target=self._run, name="vime-rollout-producer", daemon=True)
+
+    # ----- the trainer's side ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def weights_synced(self, version: int) -> None:
+        """The engines serve ``version`` now: more groups may start."""
+        with self._cond:
+            self._engine_version = version
+            self._cond.notify_all()
+
+    def take(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Rollout ``rollout_id``'s batch (blocks until one is ready) and its metrics."""
+        waited = time.perf_counter()
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                groups, stale = self.ready.take(self.settings.batch_size, rollout_id)
+                if stale:  # finished too late for any rollout to come: generate them again
+                    self.admission.discard(len(stale))
+                    self._retry.extend(g.prompt for g in stale)
+                    self._counts["stale"] += len(stale)
+                    self._cond.notify_all()
+                if groups:
+                    break
+                if self._exhausted and not self._in_flight and not self._retry:
+                    raise DataExhausted(f"the prompts ran out during rollout {rollout_id}")
+                self._cond.wait(POLL_S)
+            counts, self._counts = self._counts, collections.Counter()
+            in_flight = sum(len(c.prompts) for c in self._in_flight.values())
+            buffered = len(self.ready)
+        self.last_taken = [(g.prompt.index, _oldest_version(g)) for g in groups]
+        staleness = [rollout_id - v for _, v in self.last_taken]
+        metrics = self.manager.batch_metrics(
+            groups, failures=counts["failures"], drawn=counts["drawn"]
+        )
+        metrics.update(
+            {
+                "perf/rollout_time_s": time.perf_counter() - waited,
+                "async/staleness_mean": sum(staleness) / len(staleness),
+                "async/staleness_max": float(max(staleness)),
+                "async/groups_stale_dropped": float(counts["stale"]),
+                "async/groups_in_flight": float(in_flight),
+                "async/buffer_groups": float(buffered),
+            }
+        )
+        if self.settings.dynamic_sampling_filter:
+            metrics["rollout/groups_filtered"] = float(counts["filtered"])
+        return self.manager.to_batch(groups), metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position a checkpoint keeps: the prompt source's, and the dataset
+        indices of prompts drawn and not yet trained, both taken at one instant."""
+        with self._cond:
+            calls = [p for c in self._in_flight.values() for p in c.prompts]
+            ready = [g.prompt for g in self.ready.groups]
+            pending = [p.index for p in [*self._retry, *calls, *ready]]
+            return {**self.manager.state_dict(), "pending": pending}
+
+    def close(self) -> None:
+        """Stop admitting and let the thread end; calls in flight are left to Ray."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    # ----- the producer's thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._admit()
+                refs = list(self._in_flight)
+                if not refs:
+                    with self._cond:
+                        self._cond.wait(POLL_S)
+                    continue
+                done, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
+                for ref in done:
+                    self._finish(ref)
+        except BaseException as err:  # the trainer raises it from take()
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+    def _admit(self) -> None:
+        """Queue calls on every engine with room, as many groups as admission allows."""
+        settings = self.settings
+        with self._cond:
+            for engine in range(len(self.engines.actors)):
+                busy = sum(c.engine == engine for c in self._in_flight.values())
+                while busy < settings.calls_per_engine:
+                    room = self.admission.room(self._engine_version)
+                    prompts = self._draw(min(room, settings.groups_per_call))
+                    if not prompts:
+                        return
+                    self.admission.start(len(prompts))
+                    params = self.manager.sampling_params(rollout_seed(settings.seed, self._calls))
+                    self._calls += 1
+                    ref = self.engines.submit(engine, self.manager.ids(prompts), params)
+                    self._in_flight[ref] = _Call(engine, prompts)
+                    busy += 1
+
+    def _draw(self, n: int) -> list[Prompt]:
+        prompts: list[Prompt] = []
+        while len(prompts) < n and self._retry:
+            prompts.append(self._retry.popleft())
+        if len(prompts) < n and not self.manager.source.exhausted:
+            fresh = self.manager.source.next_batch(n - len(prompts))
+            self._counts["drawn"] += len(fresh)
+            prompts += fresh
+        self._exhausted = self.manager.source.exhausted
+        return prompts
+
+    def _finish(self, ref: Any) -> None:
+        call = self._in_flight[ref]
+        (completions,) = wait_all([ref], "generating completions")
+        groups = self.manager.score(call.prompts, completions)
+        warning = self.manager.scorer.failure_warning()
+        if warning:
+            self.manager.warn(f"vime: asynchronous rollout: {warning}")
+        with self._cond:
+            del self._in_flight[ref]
+            for group in groups:
+                self._counts["failures"] += sum(r is None for r in group.rewards)
+                if self.settings.dynamic_sampling_filter and _all_agree(group.rewards):
+                    self.admission.discard()
+                    self._counts["filtered"] += 1
+                else:
+                    self.ready.add(group)
+            self._cond.notify_all()
