@@ -56,6 +56,7 @@ PHASE_KEYS = (
 )
 LENGTH_KEY = "rollout/response_len_mean"
 STEP_TIME_KEY = "perf/step_time_s"
+STALENESS_KEY = "async/staleness_mean"
 # First key present wins; rollout throughput is what a user watches on the console.
 THROUGHPUT_KEYS = ("perf/rollout_tokens_per_s", "perf/tokens_per_s", "perf/train_tokens_per_s")
 EVAL_KEYS = ("eval/reward_mean", "eval/pass@1")
@@ -312,6 +313,9 @@ class Tracker:
             if rate is not None:
                 parts.append(f"{format_rate(rate)} tok/s")
                 break
+        staleness = _number(metrics, STALENESS_KEY)  # asynchronous rollout only
+        if staleness is not None:
+            parts.append(f"stale {staleness:.1f}")
         step_time = _number(metrics, STEP_TIME_KEY)
         if step_time is not None:
             parts.append(f"step {step_time:.1f}s")

@@ -123,6 +123,14 @@ def test_progress_lines_off_a_tty(tmp_path: Path) -> None:
     ]
 
 
+def test_an_asynchronous_run_shows_its_staleness(tmp_path: Path) -> None:
+    out = io.StringIO()
+    tracker = Tracker(str(tmp_path), num_rollouts=1, stream=out)
+    tracker.log(0, {**FULL, "async/staleness_mean": 0.75})
+    tracker.finish()
+    assert out.getvalue() == "rollout 1/1  reward 0.42  len 5.1  1.2k tok/s  stale 0.8  step 3.4s\n"
+
+
 def test_missing_metrics_are_left_out(tmp_path: Path) -> None:
     out = io.StringIO()
     tracker = Tracker(str(tmp_path), num_rollouts=10, stream=out)
