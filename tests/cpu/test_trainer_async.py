@@ -6,21 +6,23 @@ recomputing pi_old: without it the loss raises), logs the asynchronous metrics, 
 the probe check exact after every in-flight weight sync, and evaluates and checkpoints
 while the producer runs; the checkpoint holds the prompts in flight, and a resumed run
 (K = 1) trains them first and finishes; resuming it synchronously is refused in one
-line. ``--colocate`` and an engine that cannot take weights mid-generation are refused
-while parsing.
+line. With K = 2, the gloo broadcast streaming into an engine that is generating,
+failing rewards, dynamic sampling and the rollout correction all run. ``--colocate``
+and an engine that cannot take weights mid-generation are refused while parsing.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.cpu.test_trainer import SMALL, _metrics, _train
+from tests.cpu.test_trainer import FLAKY_REWARD, SMALL, _metrics, _train
 from vime.checkpoint import TRACKER, iteration_dir, load_metadata
 from vime.config.errors import ConfigError
 from vime.config.parser import parse_args
@@ -93,6 +95,30 @@ def test_a_checkpoint_keeps_the_prompts_in_flight_and_resumes(
             str(ckpt),
             cwd=tmp_path,
         )
+
+
+def test_filtered_groups_failing_rewards_and_a_streamed_broadcast(tmp_path: Path) -> None:
+    """K = 2 with the gloo broadcast streaming one tensor a call into the engine while it
+    generates, a reward that raises for some samples (counted, masked, the run goes on),
+    dynamic sampling discarding groups whose rewards agree, and the rollout correction
+    between the recomputed pi_old and the engine's log-probs (mask mode, reported)."""
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    _train(
+        *("--max-staleness", "2", "--num-rollout", "4", "--output-dir", str(tmp_path / "out")),
+        *("--weight-sync", "broadcast", "--update-weight-buffer-size", "4096"),
+        *("--custom-rm-path", "flaky:reward", "--dynamic-sampling-filter"),
+        *("--use-tis", "--tis-mode", "mask"),
+        cwd=tmp_path,
+    )
+    rows = _metrics(tmp_path / "out")
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2, 3]
+    assert sum(r["rollout/reward_failures"] for r in rows) > 0
+    for row in rows:
+        assert row["async/staleness_max"] <= 2
+        assert row["weights/version"] == row["rollout_id"] + 1
+        assert row["weights/probe_logprob_abs_diff"] < 1e-4
+        assert "rollout/groups_filtered" in row and "train/tis_masked_frac" in row
+        assert math.isfinite(row["train/loss"])
 
 
 @pytest.mark.parametrize(
