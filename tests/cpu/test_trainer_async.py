@@ -6,9 +6,10 @@ recomputing pi_old: without it the loss raises), logs the asynchronous metrics, 
 the probe check exact after every in-flight weight sync, and evaluates and checkpoints
 while the producer runs; the checkpoint holds the prompts in flight, and a resumed run
 (K = 1) trains them first and finishes; resuming it synchronously is refused in one
-line. With K = 2, the gloo broadcast streaming into an engine that is generating,
-failing rewards, dynamic sampling and the rollout correction all run. ``--colocate``
-and an engine that cannot take weights mid-generation are refused while parsing.
+line; Ctrl-C stops it with its outputs and in-flight prompts kept. With K = 2 the gloo
+broadcast streaming into an engine that is generating, failing rewards, dynamic
+sampling and the rollout correction all run. ``--colocate`` and an engine that cannot
+take weights mid-generation are refused while parsing.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import json
 import math
 import re
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.cpu.test_trainer import FLAKY_REWARD, SMALL, _metrics, _train
+from tests.cpu.test_trainer import FLAKY_REWARD, SMALL, _metrics, _start, _train
 from vime.checkpoint import TRACKER, iteration_dir, load_metadata
 from vime.config.errors import ConfigError
 from vime.config.parser import parse_args
@@ -132,3 +135,29 @@ def test_filtered_groups_failing_rewards_and_a_streamed_broadcast(tmp_path: Path
 def test_refused_while_parsing(flags: list[str], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         parse_args([*SMALL, *ASYNC, *flags], for_run=True)
+
+
+def test_ctrl_c_stops_an_asynchronous_run_and_keeps_its_outputs(tmp_path: Path) -> None:
+    """Ctrl-C while the producer's thread generates: exit 130 within a bounded time, no
+    traceback, the metrics and the summary kept, and the checkpoint holds the prompts
+    in flight."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    args = [*ASYNC, "--num-rollout", "1000", "--output-dir", str(out)]
+    proc = _start(*args, "--save", str(ckpt), "--save-interval", "2", cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 600
+        while not (ckpt / TRACKER).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.5)
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    rows = _metrics(out)
+    assert rows and all(r["async/staleness_max"] <= 1 for r in rows)
+    assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+    last = int((ckpt / TRACKER).read_text())
+    assert load_metadata(iteration_dir(ckpt, last))["extra"]["data"]["pending"]
