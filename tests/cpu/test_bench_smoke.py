@@ -155,3 +155,36 @@ def test_hf_engine_bench_smoke(tmp_path: Path) -> None:
     for path in figures["paths"].values():
         assert len(path["times"]) == 1 and path["tokens"][0] > 0
     assert figures["ratio_median"] > 0
+
+
+def test_async_loop_bench_smoke(tmp_path: Path) -> None:
+    """``bench/async_loop.py --smoke``: ``vime-train`` runs the same tiny work synchronously
+    (K=0) and asynchronously (K=1), each side pinned to its own cores, one after the other;
+    the phase shares, the throughput table with its ratio and the time-to-50 % table print,
+    and only the asynchronous row reports staleness (within its bound)."""
+    out = tmp_path / "async_loop.json"
+    result = _run_bench("async_loop.py", ["--smoke", "--json", str(out)], timeout=600)
+    expected = (
+        "async loop bench: smoke, embedded model and task, 4 prompts x 2 samples",
+        "machine:",
+        "sync step, K=0: rollout",
+        "K=0 ",
+        "K=1 ",
+        "time to 50 %, K=0 / K=1:",
+    )
+    printed = result.stdout.splitlines()
+    missing = [p for p in expected if not any(line.startswith(p) for line in printed)]
+    assert not missing, (missing, result.stdout)
+
+    figures = json.loads(out.read_text())
+    assert list(figures["rows"]) == ["K=0", "K=1"]
+    for label, k in (("K=0", 0), ("K=1", 1)):
+        run = figures["runs"][label]
+        assert run["k"] == k and run["cpu_split"] == "on"
+        assert len(run["metrics"]) == 3
+        row = figures["rows"][label]
+        assert row["samples_per_s"] > 0 and row["samples_per_s_whole"] > 0
+        assert 0 <= row["engine_idle"] <= 1 and 0 <= row["trainer_idle"] <= 1
+    assert figures["rows"]["K=0"]["staleness_max"] is None
+    assert 0 <= figures["rows"]["K=1"]["staleness_max"] <= 1
+    assert figures["ratios"]["K=1"]["median"] > 0
