@@ -5,7 +5,7 @@ version old (two fsdp2 ranks on gloo, an hf engine on a core of its own, the tra
 recomputing pi_old: without it the loss raises), logs the asynchronous metrics, keeps
 the probe check exact after every in-flight weight sync, and evaluates and checkpoints
 while the producer runs; the checkpoint holds the prompts in flight, and a resumed run
-(K = 1) trains them first and finishes; resuming it synchronously is refused in one
+(K = 1) finishes from it; resuming it synchronously is refused in one
 line; Ctrl-C stops it with its outputs and in-flight prompts kept. With K = 2 the gloo
 broadcast streaming into an engine that is generating, failing rewards, dynamic
 sampling and the rollout correction all run. ``--colocate`` and an engine that cannot

@@ -212,7 +212,9 @@ class RolloutProducer:
                     if not prompts:
                         return
                     self.admission.start(len(prompts))
-                    params = self.manager.sampling_params(rollout_seed(settings.seed, self._calls))
+                    # Seeded by the rollout this producer started at and the call's number.
+                    seed = rollout_seed(settings.seed, self.admission.first_rollout, self._calls)
+                    params = self.manager.sampling_params(seed)
                     self._calls += 1
                     ref = self.engines.submit(engine, self.manager.ids(prompts), params)
                     self._in_flight[ref] = _Call(engine, prompts)
