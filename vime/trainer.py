@@ -15,13 +15,11 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from vime import perf
-from vime.backends.base import TRAIN_MEMORY_TAGS
 from vime.config.errors import ConfigError
 from vime.config.parser import Config
 from vime.config.validate import check_cluster_devices, joins_cluster
@@ -48,11 +46,11 @@ from vime.ray.placement import (
 )
 from vime.ray.train_group import RayTrainGroup
 from vime.ray.transports import make_transport
+from vime.ray.turns import DeviceTurns
 from vime.rollout import registry as engine_registry
 from vime.rollout.manager import DataExhausted, RolloutManager
 from vime.rollout.producer import ProducerSettings, RolloutProducer
 from vime.rollout.rewards import build_reward_scorer, reward_needs_label
-from vime.rollout.types import MEMORY_TAGS
 from vime.step_timing import StepTiming
 from vime.tracking import Tracker, default_output_dir, quiet_library_progress_bars
 
@@ -464,62 +462,6 @@ class Run:
             scorer.close()
         if ray.is_initialized():
             stop_ray()
-
-
-class DeviceTurns:
-    """Under ``--colocate`` training and the engines share devices and take turns on them;
-    without it every call is a no-op.
-
-    ``rollout``: the engines generate, score and evaluate while training sleeps.
-    ``train``: training runs (and saves, and exports) while the engines sleep.
-    ``weight_sync``: training holds its weights only (from ``train`` it parks its
-    ``train_state``, gradients and optimizer state: the sync reads only the weights) and
-    the engines wake their weights, so the new ones load beside training's weights (their
-    source, which also scores the probe); the KV cache comes back at the next
-    ``rollout``, once training sleeps. Each turn puts parts to sleep before others wake:
-    only the two sides' weights ever share the devices.
-
-    The engines are started here (``start_engines``), colocated after training has gone
-    to sleep: vLLM starts only where its share of the device is free. So training starts
-    asleep under ``--colocate``, the engines awake.
-    """
-
-    def __init__(
-        self, train_group: Any, start_engines: Callable[[], Any], *, colocate: bool
-    ) -> None:
-        self.train_group, self.colocate = train_group, colocate
-        self.trainer_awake: frozenset[str] = frozenset(TRAIN_MEMORY_TAGS)
-        if colocate:
-            train_group.sleep()
-            self.trainer_awake = frozenset()
-        self.engines = start_engines()
-        self.engines_awake: frozenset[str] = frozenset(MEMORY_TAGS)
-
-    def rollout(self) -> None:
-        self._turn(trainer=frozenset(), engines=frozenset(MEMORY_TAGS))
-
-    def train(self) -> None:
-        self._turn(trainer=frozenset(TRAIN_MEMORY_TAGS), engines=frozenset())
-
-    def weight_sync(self) -> None:
-        weights = frozenset({"weights"})
-        self._turn(trainer=weights, engines=self.engines_awake | weights)
-
-    def _turn(self, *, trainer: frozenset[str], engines: frozenset[str]) -> None:
-        if not self.colocate:
-            return
-        awake = self.engines_awake
-        if self.trainer_awake - trainer:
-            self.train_group.sleep(sorted(self.trainer_awake - trainer))
-        if awake and not engines:
-            self.engines.sleep()
-            awake = frozenset()
-        if trainer - self.trainer_awake:
-            self.train_group.wake_up(sorted(trainer - self.trainer_awake))
-        if engines - awake:
-            self.engines.wake_up(sorted(engines - awake))
-            awake |= engines
-        self.trainer_awake, self.engines_awake = trainer, awake
 
 
 def plan_updates(args: Config, batch: RolloutBatch, rollout_id: int) -> TrainSchedule:

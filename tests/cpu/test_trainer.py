@@ -52,8 +52,9 @@ from vime.config.parser import parse_args
 from vime.data.batch import RolloutBatch, schedule
 from vime.perf import safetensors_shapes
 from vime.ray.transports import weight_transport
+from vime.ray.turns import DeviceTurns
 from vime.rollout.registry import TINY_MODEL_REASON
-from vime.trainer import DeviceTurns, plan_updates, save_due, update_order_seed
+from vime.trainer import plan_updates, save_due, update_order_seed
 
 REQUIRED = [
     "rollout/reward_mean",
