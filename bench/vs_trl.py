@@ -16,6 +16,7 @@ ratios vime/TRL. Medians skip the first 2 steps; step times exclude eval on both
 
     PYTHONPATH=. python bench/vs_trl.py                   # embedded, 400 steps; run it alone
     PYTHONPATH=. python bench/vs_trl.py --size 25m        # 25 M params, 12 steps, no eval
+    PYTHONPATH=. python bench/vs_trl.py --size 25m --max-staleness 0,1   # + asynchronous
     PYTHONPATH=. python bench/vs_trl.py --steps 40 --engine hf --json figures.json
     PYTHONPATH=. python bench/vs_trl.py --smoke           # tiny, both sides, for the tests
 """
@@ -62,6 +63,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     engines = "vime rollout engines, comma-separated (default: hf, plus vllm when it imports)"
     p.add_argument("--engine", help=engines + "; TRL always generates with transformers")
     p.add_argument("--eval-interval", type=int, help="greedy eval every K steps (0: none)")
+    p.add_argument(
+        "--max-staleness",
+        default="0",
+        help="vime's --max-staleness values, comma-separated: a vime row per engine and "
+        "value (K >= 1: asynchronous; its 'gen' column is then the trainer's wait)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads of the TRL worker")
     p.add_argument("--workdir", help="keep models, logs and outputs here (default: a temp dir)")
     p.add_argument("--json", help="also write every figure to this file")
@@ -84,6 +91,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         except ImportError:
             args.engine = "hf"
     args.engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    args.stalenesses = [int(k) for k in args.max_staleness.split(",") if k.strip()]
     args.spec = spec
     return args
 
@@ -140,14 +148,16 @@ def _time_to_half(steps: list[dict[str, float]]) -> tuple[float | None, int | No
 
 
 def run_vime(args: argparse.Namespace, engine: str, model: Path, eval_file: Path | None,
-             work: Path) -> dict[str, Any]:  # fmt: skip
-    spec, out = args.spec, work / f"vime_{engine}"
+             work: Path, staleness: int = 0) -> dict[str, Any]:  # fmt: skip
+    name = f"vime_{engine}" + (f"_k{staleness}" if staleness else "")
+    spec, out = args.spec, work / name
     shutil.rmtree(out, ignore_errors=True)  # a kept --workdir: metrics.jsonl starts afresh
     batch = spec["prompts"] * spec["samples"]
     flags = [
         "--rollout-engine", engine, "--output-dir", str(out), "--num-rollout", str(spec["steps"]),
         "--rollout-batch-size", str(spec["prompts"]), "--n-samples-per-prompt",
         str(spec["samples"]), "--global-batch-size", str(batch), "--seed", str(SEED),
+        "--max-staleness", str(staleness),
     ]  # fmt: skip
     if args.size == "embedded":
         # No --hf-checkpoint: vime-train's embedded default writes the same model itself
@@ -164,7 +174,7 @@ def run_vime(args: argparse.Namespace, engine: str, model: Path, eval_file: Path
             "--rollout-max-prompt-len", "64", "--rollout-max-response-len", str(spec["max_new"]),
             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096", "--lr", str(spec["lr"]),
         ]  # fmt: skip
-    _, lines = _launch([sys.executable, "-m", "vime.cli", *flags], work / f"vime_{engine}.log")
+    _, lines = _launch([sys.executable, "-m", "vime.cli", *flags], work / f"{name}.log")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = []
     for m in rows:
@@ -457,7 +467,11 @@ def main(argv: list[str]) -> int:
             eval_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
         # One after the other, never together: two torch jobs on the same cores slow
         # each other many-fold.
-        runs = {f"vime {e}": run_vime(args, e, model, eval_file, work) for e in args.engines}
+        runs = {
+            f"vime {e}" + (f" K={k}" if k else ""): run_vime(args, e, model, eval_file, work, k)
+            for e in args.engines
+            for k in args.stalenesses
+        }
         runs["TRL"] = run_trl(args, model, work)
         params = sum(math.prod(s) for s in safetensors_shapes(model / "model.safetensors").values())
     finally:
