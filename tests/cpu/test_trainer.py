@@ -165,7 +165,10 @@ def test_three_rollouts_log_every_metric_and_advance_the_weights(full_run: Path)
         assert 1.0 <= row["rollout/response_len_mean"] <= 8.0
         assert row["train/skipped_steps"] == 0.0 and row["train/grad_norm"] > 0.0
         assert row["data/prompts_dropped"] == 0.0
+        assert not [k for k in row if k.startswith("async/")]  # K = 0: the synchronous loop
     assert "eval/pass@1" in rows[1]
+    stdout = (full_run / "stdout.txt").read_text()
+    assert "CPU cores split" not in stdout  # --cpu-split auto: off when the sides alternate
     folder = full_run / "out" / "embedded_model"
     weights = sum(math.prod(s) for s in safetensors_shapes(folder / "model.safetensors").values())
     for row in rows:
