@@ -128,7 +128,6 @@ def test_filtered_groups_failing_rewards_and_a_streamed_broadcast(tmp_path: Path
     "flags, fragment",
     [
         (["--colocate"], "drop --colocate or use --max-staleness 0"),
-        (["--rollout-engine", "vllm"], "--rollout-engine vllm does not yet"),
         (["--cpu-split", "on", "--colocate", "--max-staleness", "0"], "drop one of the two"),
     ],
 )

@@ -10,12 +10,20 @@ several engines share a batch), other seeds differ; ``n`` samples
 per prompt come back in prompt order; with top-k the log-probs are those of the
 renormalised truncated distribution, greedy ones are at T = 1; EOS from the checkpoint config and
 ``stop_token_ids`` end completions (token kept, finish "stop"); ``update_weights``
-makes the engine serve the new weights (stale prefix cache dropped) and
+makes the engine serve the new weights (no prefix cached by the old ones reused) and
 advances ``weight_version``; a set that arrives one tensor per bucket, as the
 broadcast and CUDA-IPC receivers may get it, serves the new weights exactly when
 ``UpdateStream`` feeds it into one update -- and serves wrong fused layers when each
 bucket is its own update (vLLM's reload rebuilds each layer a call touched from
 that call's tensors alone);
+new weights loaded from another thread while ``generate`` runs land between two engine
+steps: the requests go on, tokens sampled before have the old model's log-probs, later
+ones the new model's on the KV cache the old one wrote, and each completion records
+(version before, new version), or the version before twice if it had ended; an error
+mid-generation aborts the requests left (the next call draws the same as before);
+``score`` from another thread shares a generation's steps with its temperature scaling
+its own prompt log-probs only, each caller getting its own outputs; the scale also wraps
+vLLM's V2 model runner (CUDA's default; a stand-in here);
 building the engine leaves the caller's RNG alone;
 a sleeping engine refuses to generate, score or load weights (on CPU, where
 nothing is freed, too), loads weights once its weights are awake and serves once
@@ -30,14 +38,19 @@ Skipped where vLLM is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -47,7 +60,7 @@ pytest.importorskip("vllm")
 from tiny_models import save_tiny, tiny_qwen3_config
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from vime.rollout.types import SamplingParams
+from vime.rollout.types import Completion, SamplingParams
 from vime.rollout.vllm_engine import VLLMEngine
 
 VOCAB = 64
@@ -132,9 +145,11 @@ def test_sampled_log_probs_match_transformers(setup: SimpleNamespace, temperatur
     params = SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=7)
     results = setup.engine.generate(PROMPTS, params)
     assert [len(group) for group in results] == [2] * len(PROMPTS)
+    version = setup.engine.weight_version
     for prompt, group in zip(PROMPTS, results, strict=True):
         for completion in group:
             assert completion.prompt_ids == prompt
+            assert completion.weight_versions == (version, version)
             assert len(completion.response_ids) == len(completion.log_probs) >= 1
             ids = prompt + completion.response_ids
             expected = _reference(setup.model, ids, len(prompt), temperature)
@@ -255,6 +270,7 @@ def test_update_weights_serves_new_model(setup: SimpleNamespace) -> None:
         assert engine.weight_version == version
         after = engine.generate([prompt], params)[0][0]
         assert after.extra["weight_version"] == version
+        assert after.weight_versions == (version, version)
         ids = prompt + after.response_ids
         assert _max_diff(after.log_probs, _reference(new_model, ids, len(prompt), 0.7)) < 1e-4
         # Old weights would be far off: the check above can fail.
@@ -296,6 +312,200 @@ def test_a_set_streamed_bucket_by_bucket_loads_whole(setup: SimpleNamespace) -> 
         assert served_diff() < 1e-4
     finally:
         engine.update_weights([list(setup.model.state_dict().items())], version)
+
+
+def _step_hook(
+    monkeypatch: pytest.MonkeyPatch, engine: VLLMEngine, at: int, action: Callable[[], None]
+) -> None:
+    """Run ``action`` once, at the end of engine step ``at`` (0: the first), inside the
+    step: ``generate`` holds the engine's gate until it returns."""
+    llm_engine = engine._llm.llm_engine
+    step, taken = llm_engine.step, 0
+
+    def hooked() -> list[Any]:
+        nonlocal taken
+        outputs = step()
+        if taken == at:
+            action()
+        taken += 1
+        return outputs
+
+    monkeypatch.setattr(llm_engine, "step", hooked)
+
+
+@torch.no_grad()
+def _kept_cache_log_probs(old_model, new_model, c: Completion, switch: int) -> list[float]:
+    """Log-probs of the response tokens after position ``switch``: the positions before it
+    cached by ``old_model``, the rest run by ``new_model`` on that cache."""
+    ids = torch.tensor([c.prompt_ids + c.response_ids])
+    cache = old_model(input_ids=ids[:, :switch], use_cache=True).past_key_values
+    logits = new_model(input_ids=ids[:, switch:-1], past_key_values=cache).logits[0]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, ids[0, switch + 1 :, None]).squeeze(-1).tolist()
+
+
+def test_weights_loaded_mid_generation_sample_the_tokens_after(
+    setup: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load from another thread while ``generate`` runs lands between two engine steps:
+    the requests go on, every token up to that step has the old model's log-prob, every
+    later one the new model's on the KV cache the old one wrote (kept), and each records
+    (the version before, the new one) -- or the version before twice if it had ended."""
+    engine = setup.engine
+    before = engine.weight_version
+    version = before + 1
+    new_model = _random_model(seed=3, eos=setup.eos)
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            engine.update_weights([list(new_model.state_dict().items())], version)
+        except BaseException as err:  # re-raised by the test thread
+            errors.append(err)
+
+    loader = threading.Thread(target=load)
+
+    def start_the_load() -> None:  # inside step 2: the load must wait for its end
+        loader.start()
+        while engine.gate.loads_waiting == 0:
+            time.sleep(0.001)
+
+    switch_after = 2  # steps 0 (prefill and the first token), 1 and 2 on the old weights
+    _step_hook(monkeypatch, engine, switch_after, start_the_load)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=5)
+    try:
+        out = [c for group in engine.generate(PROMPTS, params) for c in group]
+    finally:
+        monkeypatch.undo()
+        loader.join(timeout=60)
+    try:
+        assert not errors and not loader.is_alive()
+        assert engine.weight_version == version
+        k = switch_after + 1  # tokens 0..k-1 were sampled before the load
+        long_ones = [c for c in out if len(c.response_ids) > k]
+        assert long_ones, "no completion outlived the load; pick another seed"
+        for c in out:
+            assert c.weight_versions == ((before, version) if c in long_ones else (before, before))
+        for c in long_ones:
+            ids = c.prompt_ids + c.response_ids
+            old = _reference(setup.model, ids, len(c.prompt_ids), 1.0)
+            assert _max_diff(c.log_probs[:k], old[:k]) < 1e-4
+            switch = len(c.prompt_ids) + k - 1
+            kept = _kept_cache_log_probs(setup.model, new_model, c, switch)
+            assert _max_diff(c.log_probs[k:], kept) < 1e-4
+            assert _max_diff(c.log_probs[k:], old[k:]) > 1e-2  # the old model is told apart
+    finally:
+        engine.update_weights([list(setup.model.state_dict().items())], version + 1)
+
+
+def test_a_failing_step_aborts_the_requests_left(
+    setup: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error mid-generation leaves no request behind in vLLM's engine: the next
+    ``generate`` draws what it would have drawn anyway."""
+    engine = setup.engine
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=9)
+    expected = engine.generate(PROMPTS, params)
+
+    def fail() -> None:
+        raise KeyboardInterrupt  # what Ctrl-C raises in the thread that steps
+
+    _step_hook(monkeypatch, engine, 1, fail)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS, params)
+    monkeypatch.undo()
+    assert not engine._llm.llm_engine.has_unfinished_requests()
+    assert not engine._finished
+    again = engine.generate(PROMPTS, params)
+    tokens = [[c.response_ids for c in group] for group in again]
+    assert tokens == [[c.response_ids for c in group] for group in expected]
+
+
+def test_score_shares_steps_with_a_generation(
+    setup: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``score`` from another thread while ``generate`` runs: its request joins the
+    generation's steps, its temperature scales its own prompt log-probs and not the
+    tokens sampled beside it, and each call gets its own outputs back."""
+    engine = setup.engine
+    llm_engine = engine._llm.llm_engine
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=5)
+    alone = engine.generate(PROMPTS, params)
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, VOCAB, (20,), generator=generator).tolist()
+    scored: list[list[float]] = []
+    errors: list[BaseException] = []
+    score_added = threading.Event()
+
+    def score() -> None:
+        try:
+            scored.append(engine.score(ids, 6, 0.7))
+        except BaseException as err:  # re-raised by the test thread
+            errors.append(err)
+            score_added.set()
+
+    scorer = threading.Thread(target=score)
+    add_request = llm_engine.add_request
+
+    def add(request_id: str, prompt: Any, sampling: Any, *args: Any, **kwargs: Any) -> str:
+        added = add_request(request_id, prompt, sampling, *args, **kwargs)
+        if sampling.prompt_logprobs is not None:
+            score_added.set()
+        return added
+
+    # The generation's next step waits, outside the gate, until the score's request is in.
+    gate_step, generating = engine.gate.step, threading.get_ident()
+
+    @contextlib.contextmanager
+    def step() -> Iterator[None]:
+        if threading.get_ident() == generating and scorer.is_alive():
+            assert score_added.wait(timeout=60)
+        with gate_step():
+            yield
+
+    monkeypatch.setattr(llm_engine, "add_request", add)
+    monkeypatch.setattr(engine.gate, "step", step)
+    _step_hook(monkeypatch, engine, 1, scorer.start)
+    try:
+        shared = engine.generate(PROMPTS, params)
+    finally:
+        monkeypatch.undo()
+        scorer.join(timeout=60)
+    assert not errors and len(scored) == 1
+    assert _max_diff(scored[0], _reference(setup.model, ids, 6, 0.7)) < 1e-4
+    assert any(len(c.response_ids) > 2 for group in shared for c in group), "none in flight"
+    for prompt, group, group_alone in zip(PROMPTS, shared, alone, strict=True):
+        for c, c_alone in zip(group, group_alone, strict=True):
+            assert c.response_ids == c_alone.response_ids
+            expected = _reference(setup.model, prompt + c.response_ids, len(prompt), 1.0)
+            assert _max_diff(c.log_probs, expected) < 1e-4
+    assert not llm_engine.has_unfinished_requests() and not engine._finished
+
+
+def test_prompt_logit_scale_wraps_the_v2_model_runner() -> None:
+    """vLLM's V2 model runner (CUDA's default; the CPU build runs V1, which the tests
+    above use) hands its prompt log-probs the logits function: the scale wraps it."""
+    from vime.rollout.vllm_engine import VimeWorkerExtension
+
+    calls: list[Any] = []
+
+    class PromptLogprobsWorker:
+        def compute_prompt_logprobs(self, logits_fn: Callable[[Any], Any], *args: Any) -> Any:
+            calls.append(args)
+            return logits_fn(torch.tensor([1.0, 2.0]))
+
+    runner = SimpleNamespace(prompt_logprobs_worker=PromptLogprobsWorker())
+    worker = SimpleNamespace(model_runner=runner)
+    assert VimeWorkerExtension.vime_set_prompt_logit_scale(worker, 2.0) == 1.0
+    compute = runner.prompt_logprobs_worker.compute_prompt_logprobs
+    assert compute(lambda h: h + 1, "batch").tolist() == [4.0, 6.0]
+    assert VimeWorkerExtension.vime_set_prompt_logit_scale(worker, 1.0) == 2.0
+    assert compute(lambda h: h + 1, "batch").tolist() == [2.0, 3.0]
+    assert calls == [("batch",), ("batch",)]
+    with pytest.raises(RuntimeError, match="computes prompt log-probs in no method"):
+        VimeWorkerExtension.vime_set_prompt_logit_scale(
+            SimpleNamespace(model_runner=SimpleNamespace()), 2.0
+        )
 
 
 # A tensor-parallel engine in its own interpreter: its workers are spawned processes.

@@ -56,6 +56,7 @@ _SPECS = (
         add_flags="vime.rollout.engine_flags:add_vllm_flags",
         validate="vime.rollout.engine_flags:validate_vllm_flags",
         tensor_parallel=True,
+        in_flight_updates=True,
     ),
     EngineSpec(
         name="hf",

@@ -15,24 +15,37 @@ or top-k on, vLLM returns the log-prob under the *truncated, renormalised*
 distribution it actually sampled from (filtered tokens get -inf first); the
 trainer's full-vocab log-probs are then lower and the gap is real, not noise.
 Greedy requests (T = 0) report ``log_softmax(logits)``, i.e. T = 1.
+
+New weights while generating (asynchronous rollout): ``generate`` adds its requests to
+vLLM's engine and steps it itself, each step inside ``self.gate.step()``
+(``vime.rollout.step_gate``); ``update_weights``, ``score``'s scale changes and sleep /
+wake run inside the gate too, from whichever thread calls them. A load therefore lands
+between two engine steps, and the requests in flight go on with their tokens and KV
+cache kept; each ``Completion`` records the oldest and newest version that sampled it.
+Prefixes cached before a load are never reused after it: every request's
+``cache_salt`` names the weight load it was added after. ``score`` may share a step
+with a generation: its temperature scales only the prompt log-probs it asks for.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
 import random
 import shutil
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from vime import device as vime_device
+from vime.rollout.step_gate import StepGate
 from vime.rollout.types import MEMORY_TAGS, Completion, SamplingParams, wake_tags
 
 _WORKER_EXTENSION = f"{__name__}.VimeWorkerExtension"
@@ -47,11 +60,23 @@ class VimeWorkerExtension:
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
     """
 
-    def vime_set_logit_scale(self, scale: float) -> float:
-        """Multiply the model's output logits by ``scale`` from now on; return the old factor."""
-        processor = self.model_runner.get_model().logits_processor  # type: ignore[attr-defined]
-        previous = float(processor.scale)
-        processor.scale = scale
+    def vime_set_prompt_logit_scale(self, scale: float) -> float:
+        """Multiply by ``scale`` the logits that prompt log-probs are computed from (requests
+        with ``prompt_logprobs``: ``VLLMEngine.score``) from now on; return the old factor.
+
+        The tokens sampled in the same step keep their logits: a generation sharing the
+        batch with a scoring request is not touched. Both of vLLM's model runners compute
+        prompt log-probs apart from sampling, each in a method of its own, wrapped here
+        once: the V1 runner (the CPU's) in ``_get_prompt_logprobs_dict``, with the model's
+        logit scale set for the call; the V2 runner (CUDA's default) in its
+        ``prompt_logprobs_worker``, which takes the logits function as an argument.
+        """
+        runner = self.model_runner  # type: ignore[attr-defined]
+        previous = getattr(runner, "_vime_prompt_scale", None)
+        if previous is None:
+            _scale_prompt_logits(runner)
+            previous = 1.0
+        runner._vime_prompt_scale = scale
         return previous
 
     def vime_reload_weights(self, weights_iterator: Iterator[tuple[str, Any]]) -> None:
@@ -83,6 +108,47 @@ class VimeWorkerExtension:
         from safetensors.torch import load_file
 
         self.vime_reload_weights(item for path in paths for item in load_file(path).items())
+
+
+def _scale_prompt_logits(runner: Any) -> None:
+    """Make ``runner`` scale prompt log-probs' logits by ``runner._vime_prompt_scale``."""
+    worker = getattr(runner, "prompt_logprobs_worker", None)
+    if worker is not None:  # V2 runner
+        compute = worker.compute_prompt_logprobs
+
+        def scaled_v2(logits_fn: Any, *args: Any, **kwargs: Any) -> Any:
+            scale = runner._vime_prompt_scale
+            if scale != 1.0:
+                unscaled = logits_fn
+
+                def logits_fn(hidden: Any) -> Any:
+                    return unscaled(hidden) * scale
+
+            return compute(logits_fn, *args, **kwargs)
+
+        worker.compute_prompt_logprobs = scaled_v2
+    elif hasattr(runner, "_get_prompt_logprobs_dict"):  # V1 runner
+        compute = runner._get_prompt_logprobs_dict
+
+        def scaled_v1(*args: Any, **kwargs: Any) -> Any:
+            scale = runner._vime_prompt_scale
+            if scale == 1.0:
+                return compute(*args, **kwargs)
+            processor = runner.get_model().logits_processor
+            base = processor.scale
+            processor.scale = base * scale
+            try:
+                return compute(*args, **kwargs)
+            finally:
+                processor.scale = base
+
+        runner._get_prompt_logprobs_dict = scaled_v1
+    else:
+        raise RuntimeError(
+            f"vLLM's {type(runner).__name__} computes prompt log-probs in no method vime "
+            "knows (_get_prompt_logprobs_dict, prompt_logprobs_worker): score() cannot "
+            "scale them to a temperature; a vLLM version vime was not written for?"
+        )
 
 
 @functools.cache
@@ -278,6 +344,15 @@ class VLLMEngine:
         # The MEMORY_TAGS parts asleep. Kept without sleep mode too (CPU), where nothing is
         # freed, so that using a sleeping engine fails on every device, not just on a GPU.
         self._sleeping: set[str] = set()
+        # Each engine step and each whole weight load: a load lands between two steps.
+        self.gate = StepGate()
+        # Finished outputs of requests some other caller's step finished (generate and
+        # score step one engine from two threads), each with the version of that step.
+        self._finished: dict[str, tuple[Any, int]] = {}
+        self._request_ids = itertools.count()
+        # Weight loads begun: the prefix-cache salt of the requests added after them.
+        self._loads = 0
+        self._score_lock = threading.Lock()  # one temperature at a time for prompt logits
         # vLLM logs at INFO per request batch and weight reload; a run's console is for
         # the progress line. VLLM_LOGGING_LEVEL=INFO brings it back.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -314,36 +389,40 @@ class VLLMEngine:
         (``params.seed=None`` draws a base from the engine's seed), so a
         completion depends neither on batch composition nor on how a batch was
         split over engines, and greedy decoding works with ``n > 1``.
+
+        ``update_weights`` may run from another thread meanwhile: it lands between two
+        engine steps (see the module docstring). A completion's ``weight_versions`` is
+        ``(oldest, newest)``: ``oldest`` the version when its request was added, with
+        the first step, a lower bound for a request vLLM queued past that step;
+        ``newest`` the version at the step that returned it finished: exact where vLLM
+        runs one batch a step (the CPU build), an upper bound where it runs ahead of
+        the steps taken here (async scheduling, its default with CUDA; an engine core
+        in processes of its own, tensor parallel).
         """
         from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
 
         self._check_awake(MEMORY_TAGS)
         if params.n < 1:
             raise ValueError(f"n must be >= 1, got {params.n}")
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
         stop = list(dict.fromkeys([*params.stop_token_ids, *self._eos]))
-        requests: list[Any] = []
-        sampling: list[Any] = []
+        requests: list[tuple[list[int], Any]] = []
         for i, prompt in enumerate(prompts):
             for j in range(params.n):
-                requests.append(TokensPrompt(prompt_token_ids=list(prompt)))
-                sampling.append(
-                    VllmSamplingParams(
-                        n=1,
-                        temperature=params.temperature,
-                        top_p=params.top_p,
-                        top_k=max(params.top_k, 0),  # vLLM: 0 (or -1) disables top-k
-                        max_tokens=params.max_new_tokens,
-                        stop_token_ids=stop,
-                        logprobs=0,  # the sampled token's log-prob only
-                        seed=_request_seed(base, params.first_prompt_index + i, j),
-                        detokenize=False,
-                    )
+                sampling = VllmSamplingParams(
+                    n=1,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=max(params.top_k, 0),  # vLLM: 0 (or -1) disables top-k
+                    max_tokens=params.max_new_tokens,
+                    stop_token_ids=stop,
+                    logprobs=0,  # the sampled token's log-prob only
+                    seed=_request_seed(base, params.first_prompt_index + i, j),
+                    detokenize=False,
                 )
-        outputs = self._llm.generate(requests, sampling, use_tqdm=False) if requests else []
+                requests.append((list(prompt), sampling))
         results: list[list[Completion]] = [[] for _ in prompts]
-        for k, request_output in enumerate(outputs):
+        for k, (request_output, oldest, newest) in enumerate(self._run(requests)):
             i = k // params.n
             out = request_output.outputs[0]
             response = list(out.token_ids)
@@ -357,22 +436,84 @@ class VLLMEngine:
                     response_ids=response,
                     log_probs=log_probs,
                     finish_reason=out.finish_reason,
-                    extra={"weight_version": self.weight_version},
+                    extra={"weight_version": newest},
+                    weight_versions=(oldest, newest),
                 )
             )
         return results
+
+    def _run(self, requests: list[tuple[list[int], Any]]) -> list[tuple[Any, int, int]]:
+        """Add ``(prompt ids, vLLM SamplingParams)`` requests and step the engine until all
+        have finished: ``(RequestOutput, oldest, newest version)`` each, in order.
+
+        Every engine call runs inside ``self.gate.step()``, one step at a time, so weight
+        loads from other threads go between two steps. Another caller's requests (a
+        ``score`` while a generation runs) may share the steps: whichever caller steps
+        keeps the outputs it finished for their owner in ``self._finished``. On an error
+        the requests still in the engine are aborted.
+        """
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        if not requests:
+            return []
+        engine = self._llm.llm_engine
+        ids = [f"vime-{next(self._request_ids)}" for _ in requests]
+        pending: set[str] = set()
+        done: dict[str, tuple[Any, int]] = {}
+        oldest = -1
+        try:
+            while True:
+                with self.gate.step():
+                    self._check_awake(MEMORY_TAGS)
+                    if oldest < 0:  # added with the first step, at the version it runs
+                        oldest = self.weight_version
+                        salt = f"vime-load-{self._loads}"  # no prefix cached by older weights
+                        for request_id, (prompt, sampling) in zip(ids, requests, strict=True):
+                            sampling.output_kind = RequestOutputKind.FINAL_ONLY
+                            prompt_input = tokens_input(prompt, cache_salt=salt)
+                            engine.add_request(request_id, prompt_input, sampling)
+                            pending.add(request_id)
+                    if self._finished:  # finished in another caller's steps
+                        for request_id in pending & self._finished.keys():
+                            done[request_id] = self._finished.pop(request_id)
+                        pending -= done.keys()
+                    if not pending:
+                        break
+                    if not engine.has_unfinished_requests():
+                        raise RuntimeError(f"vLLM lost {len(pending)} request(s) unfinished")
+                    outputs = engine.step()
+                    version = self.weight_version
+                    for output in outputs:
+                        if not output.finished:
+                            continue
+                        if output.request_id in pending:
+                            pending.discard(output.request_id)
+                            done[output.request_id] = (output, version)
+                        else:
+                            self._finished[output.request_id] = (output, version)
+                    if not pending:
+                        break
+        except BaseException:
+            if pending:
+                with self.gate.step():
+                    engine.abort_request(sorted(pending), internal=False)
+                    for request_id in pending:
+                        self._finished.pop(request_id, None)
+            raise
+        return [(done[r][0], oldest, done[r][1]) for r in ids]
 
     def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
         """Log-probs at ``temperature`` of ``token_ids[prompt_len:]`` given what precedes each.
 
         vLLM's prompt log-probs skip the sampler, so they are always at T = 1
-        whatever the logprobs mode. For T != 1 the model's logits are scaled by
-        1/T for this one request (vLLM's per-model ``logit_scale``, set on every
-        worker by RPC and restored afterwards): exact, and O(length) instead of
-        the full-vocab prompt log-probs a host-side correction would need.
+        whatever the logprobs mode. For T != 1 the logits they are computed from are
+        scaled by 1/T while this request runs (``vime_set_prompt_logit_scale``, set on
+        every worker by RPC and restored afterwards; the tokens a generation samples in
+        the same steps keep theirs): exact, and O(length) instead of the full-vocab
+        prompt log-probs a host-side correction would need.
         """
         from vllm import SamplingParams as VllmSamplingParams
-        from vllm.inputs import TokensPrompt
 
         self._check_awake(MEMORY_TAGS)
         if temperature <= 0:
@@ -381,22 +522,26 @@ class VLLMEngine:
             raise ValueError(f"need 1 <= prompt_len <= {len(token_ids)}, got {prompt_len}")
         if prompt_len == len(token_ids):
             return []
-        request = TokensPrompt(prompt_token_ids=list(token_ids))
         # One throwaway greedy token: vLLM needs max_tokens >= 1.
         sampling = VllmSamplingParams(
             max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
         )
         scale = 1.0 / temperature
-        if scale != 1.0:
-            self._llm.collective_rpc("vime_set_logit_scale", args=(scale,))
-        try:
-            output = self._llm.generate([request], [sampling], use_tqdm=False)[0]
-        finally:
+        with self._score_lock:
             if scale != 1.0:
-                self._llm.collective_rpc("vime_set_logit_scale", args=(1.0,))
+                self._set_prompt_logit_scale(scale)
+            try:
+                [(output, _, _)] = self._run([(list(token_ids), sampling)])
+            finally:
+                if scale != 1.0:
+                    self._set_prompt_logit_scale(1.0)
         # prompt_logprobs[p] scores token p given tokens < p (entry 0 is None).
         steps = zip(output.prompt_logprobs[prompt_len:], token_ids[prompt_len:], strict=True)
         return [step[token].logprob for step, token in steps]
+
+    def _set_prompt_logit_scale(self, scale: float) -> None:
+        with self.gate.step():
+            self._llm.collective_rpc("vime_set_prompt_logit_scale", args=(scale,))
 
     def update_weights(self, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
         """Load a full set of HF-named tensors, bucket by bucket, and serve ``version``.
@@ -411,50 +556,61 @@ class VLLMEngine:
         as memoryviews and fails), so there each bucket goes to a safetensors
         file in a RAM-backed temp folder and the workers read the files.
 
-        Needs the weights awake (``wake_up(("weights",))``), not the KV cache.
+        Needs the weights awake (``wake_up(("weights",))``), not the KV cache. A
+        ``generate`` running in another thread meanwhile waits between two engine steps
+        until the load is done (files for other processes are written before that wait).
+        Prefixes cached before the load are not reused after it: requests added from now
+        on carry a prefix-cache salt of their own (see ``_run``).
         """
-        self._check_awake(("weights",))
         if self._in_process:
-            self._llm.collective_rpc("vime_reload_weights", args=(_flatten(buckets),))
-        else:
-            from safetensors.torch import save_file
+            self._reload("vime_reload_weights", _flatten(buckets), version)
+            return
+        from safetensors.torch import save_file
 
-            with tempfile.TemporaryDirectory(dir=reload_dir(self.checkpoint)) as folder:
-                paths = []
-                for k, bucket in enumerate(buckets):
-                    paths.append(os.path.join(folder, f"bucket-{k:05d}.safetensors"))
-                    # Copies: safetensors refuses tensors that share storage (tied weights).
-                    tensors = {name: t.detach().to("cpu", copy=True) for name, t in bucket}
-                    save_file(tensors, paths[-1])
-                self._llm.collective_rpc("vime_reload_from_files", args=(paths,))
-        # Cached prefixes hold KV computed with the old weights. A KV cache still asleep
-        # is dropped when it wakes (wake_up resets it then).
-        if "kv_cache" not in self._sleeping:
-            self._llm.reset_prefix_cache()
-        self.weight_version = version
+        self._check_awake(("weights",))
+        with tempfile.TemporaryDirectory(dir=reload_dir(self.checkpoint)) as folder:
+            paths = []
+            for k, bucket in enumerate(buckets):
+                paths.append(os.path.join(folder, f"bucket-{k:05d}.safetensors"))
+                # Copies: safetensors refuses tensors that share storage (tied weights).
+                tensors = {name: t.detach().to("cpu", copy=True) for name, t in bucket}
+                save_file(tensors, paths[-1])
+            self._reload("vime_reload_from_files", paths, version)
+
+    def _reload(self, method: str, weights: Any, version: int) -> None:
+        """Worker RPC ``method`` with ``weights``, between two engine steps."""
+        with self.gate.load():
+            self._check_awake(("weights",))
+            self._loads += 1  # from now on requests get a new prefix-cache salt
+            self._llm.collective_rpc(method, args=(weights,))
+            self.weight_version = version
 
     def sleep(self) -> None:
         """Free accelerator memory (weights offloaded, KV cache dropped); until ``wake_up``
-        the engine refuses work.
+        the engine refuses work (a generation in flight fails at its next step).
 
         Memory is freed only in sleep mode (by default with CUDA only: the CPU
         worker does not implement it, and there is no device memory to hand
         back); the asleep state is kept either way. Level 1 keeps a host copy of
         the weights and puts it back on wake: load new weights only after waking.
         """
-        if self._sleeping == set(MEMORY_TAGS):
-            return
-        if self._sleeping:  # half awake: vLLM sleeps only from fully awake
-            self.wake_up()
-        if self.sleep_mode:
-            self._llm.sleep(level=1)
-        self._sleeping = set(MEMORY_TAGS)
+        with self.gate.load():
+            if self._sleeping == set(MEMORY_TAGS):
+                return
+            if self._sleeping:  # half awake: vLLM sleeps only from fully awake
+                self._wake(set(self._sleeping))
+            if self.sleep_mode:
+                self._llm.sleep(level=1)
+            self._sleeping = set(MEMORY_TAGS)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Restore what ``sleep`` freed: the parts named in ``tags`` (``MEMORY_TAGS``), or
         all. ``("weights",)`` first lets new weights load before the KV cache takes its
         memory back (vLLM resumes scheduling once every part is back)."""
-        parts = self._sleeping & wake_tags(tags)
+        with self.gate.load():
+            self._wake(self._sleeping & wake_tags(tags))
+
+    def _wake(self, parts: set[str]) -> None:
         if not parts:
             return
         if self.sleep_mode:
@@ -464,6 +620,8 @@ class VLLMEngine:
             self._llm.reset_prefix_cache()
 
     def _check_awake(self, needed: Sequence[str]) -> None:
+        if not self._sleeping:  # every engine step asks
+            return
         asleep = sorted(self._sleeping & set(needed))
         if asleep:
             raise RuntimeError(
