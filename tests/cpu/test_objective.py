@@ -222,18 +222,6 @@ def test_correction_without_engine_log_probs_is_refused():
         )
 
 
-def test_an_off_policy_batch_without_recomputed_old_log_probs_is_refused():
-    """``--max-staleness`` >= 1 marks the loss off-policy: π_old = π (no ``old_logp``)
-    would be wrong for samples of older weights, so it raises; with π_old it runs."""
-    config, data = _config("--max-staleness", "1"), _batch()
-    assert config.off_policy and not _config().off_policy
-    args = (data["logp"], data["mask"], data["adv"], Normalizers(10, 5), config)
-    with pytest.raises(ValueError, match="recompute it on its current weights"):
-        micro_batch_loss(*args)
-    loss, _ = micro_batch_loss(*args, old_logp=data["old"])
-    assert torch.isfinite(loss)
-
-
 def test_dr_grpo_normalizer_is_the_runs_constant():
     """Two steps whose longest responses differ (6 and 3 tokens) divide by the same
     number of sequences × the generation budget (--rollout-max-response-len)."""

@@ -1,8 +1,8 @@
 """``vime-train --max-staleness K`` end to end, and its refusals.
 
 Proves, on real processes: with K = 1 a run trains every rollout on samples at most one
-version old (two fsdp2 ranks on gloo, an hf engine on a core of its own, the trainer
-recomputing pi_old: without it the loss raises), logs the asynchronous metrics, keeps
+version old (two fsdp2 ranks on gloo, an hf engine on a core of its own, every thread
+of each process pinned), logs the asynchronous metrics, keeps
 the probe check exact after every in-flight weight sync, and evaluates and checkpoints
 while the producer runs; the checkpoint holds the prompts in flight, and a resumed run
 (K = 1) finishes from it; resuming it synchronously is refused in one

@@ -36,9 +36,7 @@ class LossConfig:
     """The loss settings of a run, built once from the parsed flags by ``from_args``.
 
     ``correction`` is the rollout correction (``--use-tis``; None: off); ``norm_len``
-    the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO). ``off_policy``: the
-    samples may come from older weights (``--max-staleness`` >= 1), so π_old must be
-    the trainer's own recomputed log-probs, never the shortcut π_old = π.
+    the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO).
     """
 
     eps_clip: float = 0.2
@@ -52,7 +50,6 @@ class LossConfig:
     entropy_coef: float = 0.0
     agg_mode: str = "token-mean"
     norm_len: int | None = None
-    off_policy: bool = False
     policy_loss_fn: Callable[..., Any] = field(default=policy_loss, compare=False)
 
     @classmethod
@@ -78,7 +75,6 @@ class LossConfig:
             entropy_coef=args.entropy_coef,
             agg_mode=args.loss_agg_mode,
             norm_len=args.loss_agg_norm_len or args.rollout_max_response_len,
-            off_policy=args.max_staleness > 0,
             policy_loss_fn=policy_loss_fn,
         )
 
@@ -105,17 +101,15 @@ def micro_batch_loss(
 ) -> tuple[torch.Tensor, MetricAccumulator]:
     """Loss of one micro-batch (to backpropagate as is) and its token-weighted metrics.
 
-    ``old_logp`` None means π_old = π (one update per rollout): the ratio is
-    then exactly 1. ``rollout_logp`` (the engine's) is required when
-    ``config.correction`` is set. ``entropy`` is needed when ``config.entropy_coef``
-    > 0 (with grad) and is reported whenever given. Every metric name is added on
-    every call, so all ranks reduce the same layout.
+    ``old_logp`` None means π_old = π, this forward's own log-probs detached: the
+    proximal policy of decoupled PPO is the trainer's weights before the update, and
+    with one update per rollout those are the weights of this forward, however old the
+    samples (the engine's log-probs, their behaviour policy, enter only through
+    ``config.correction``). The ratio is then exactly 1. ``rollout_logp`` (the
+    engine's) is required when ``config.correction`` is set. ``entropy`` is needed when
+    ``config.entropy_coef`` > 0 (with grad) and is reported whenever given. Every metric
+    name is added on every call, so all ranks reduce the same layout.
     """
-    if old_logp is None and config.off_policy:
-        raise ValueError(
-            "off-policy batch (--max-staleness >= 1) without π_old: the trainer must "
-            "recompute it on its current weights (decoupled PPO), not take π_old = π"
-        )
     old = logp.detach() if old_logp is None else old_logp
     per_token, stats = config.policy_loss_fn(
         logp,

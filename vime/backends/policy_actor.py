@@ -267,11 +267,10 @@ class PolicyTrainActor(TrainActor):
         self._check_awake()
         plan = schedule.plan
         ref = self.compute_log_probs(schedule, "ref") if self.loss_config.use_kl else None
-        # One update per rollout on its own samples: pi_old is the current policy, so no
-        # recomputation (ratio == 1). Samples of older weights (--max-staleness): decoupled
-        # PPO's pi_old, the current weights' log-probs before the step, always recomputed.
-        recompute = plan.num_steps > 1 or self.loss_config.off_policy
-        old = self.compute_log_probs(schedule, "actor") if recompute else None
+        # pi_old is the proximal policy (decoupled PPO): these weights, before the update.
+        # One update per rollout: the update's own forward is on exactly them, whatever the
+        # samples' age (--max-staleness), so no second pass (ratio == 1). Several: recomputed.
+        old = self.compute_log_probs(schedule, "actor") if plan.num_steps > 1 else None
         metrics = MetricAccumulator()
         skipped = 0
         for step_index in range(plan.num_steps):

@@ -26,7 +26,7 @@ import ray
 from vime import device as vime_device
 from vime import profiling
 from vime.config.errors import ConfigError
-from vime.ray.placement import Layout, Placement, label_actor, wait_all
+from vime.ray.placement import Layout, Placement, label_actor, pin_process, process_cores, wait_all
 from vime.ray.transports import transport_class
 from vime.rollout import registry
 from vime.rollout.types import Completion, SamplingParams
@@ -106,7 +106,7 @@ class EngineActor:
         threads = options.get("num_threads")
         cores = options.get("cpu_cores")
         if cores:  # cores of its own (asynchronous rollout on the CPU): threads follow
-            os.sched_setaffinity(0, cores)
+            pin_process(cores)
             threads = len(cores)
         if threads:
             import torch
@@ -139,8 +139,8 @@ class EngineActor:
         return profiling.drain()
 
     def cpu_cores(self) -> list[int]:
-        """The CPU cores this engine's process may run on."""
-        return sorted(os.sched_getaffinity(0))
+        """The CPU cores this engine's process may run on, over all its threads."""
+        return process_cores()
 
     def weight_version(self) -> int:
         return self.engine.weight_version

@@ -92,6 +92,24 @@ def split_cores(
     return share(train, num_train), share(engines, num_engines)
 
 
+def pin_process(cores: Sequence[int]) -> None:
+    """Keep this whole process on ``cores``: every thread it has (Ray's, and the pools
+    that run an actor's calls, started before the actor's code) and so every thread
+    they start. ``os.sched_setaffinity(0, ...)`` alone moves the calling thread only."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task), cores)
+
+
+def process_cores() -> list[int]:
+    """The cores any thread of this process may run on (what ``pin_process`` set)."""
+    cores: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):
+            cores |= os.sched_getaffinity(int(task))
+    return sorted(cores)
+
+
 def layout_of(args: Any, use_gpu: bool) -> Layout:
     num_train = args.actor_num_nodes * args.actor_num_gpus_per_node
     per_engine = args.rollout_num_gpus_per_engine

@@ -28,7 +28,7 @@ import ray
 from vime import device as vime_device
 from vime import perf, profiling
 from vime.backends import registry
-from vime.ray.placement import Placement, label_actor, wait_all
+from vime.ray.placement import Placement, label_actor, pin_process, process_cores, wait_all
 from vime.ray.transports import transport_class
 
 
@@ -59,7 +59,7 @@ class TrainWorker:
         import torch
 
         if cores:
-            os.sched_setaffinity(0, cores)
+            pin_process(cores)
             num_threads = len(cores)
         torch.set_num_threads(num_threads)
         os.environ.update(
@@ -88,8 +88,8 @@ class TrainWorker:
         return start, time.time()
 
     def cpu_cores(self) -> list[int]:
-        """The CPU cores this rank's process may run on."""
-        return sorted(os.sched_getaffinity(0))
+        """The CPU cores this rank's process may run on, over all its threads."""
+        return process_cores()
 
     def peak(self) -> perf.Peak:
         """This rank's peak FLOP/s, measured at the first call: the driver asks every rank
