@@ -53,6 +53,7 @@ class Recorder:
     def __init__(self) -> None:
         self.enabled = False
         self._spans: list[Span] = []
+        self._open: dict[object, tuple[str, int]] = {}  # spans begun and not yet ended
 
     @contextlib.contextmanager
     def span(self, name: str, **args: Any) -> Iterator[dict[str, Any]]:
@@ -61,17 +62,24 @@ class Recorder:
         if not self.enabled:
             yield args
             return
-        start = time.time_ns()
+        start, key = time.time_ns(), object()
+        self._open[key] = (name, start)
         try:
             yield args
         finally:
+            del self._open[key]
             if len(self._spans) >= _MAX_SPANS:
                 del self._spans[: _MAX_SPANS // 2]
             self._spans.append((name, start, time.time_ns(), args))
 
     def drain(self) -> list[Span]:
+        """The spans ended since the last drain, and each span still running as one that
+        ends now, marked ``{"open": True}`` (it comes again, whole, once it has ended): a
+        call that outlives a step (asynchronous generation) is busy time of that step."""
+        now = time.time_ns()
         spans, self._spans = self._spans, []
-        return spans
+        running = [(name, start, now, {"open": True}) for name, start in list(self._open.values())]
+        return spans + running
 
 
 RECORDER = Recorder()
@@ -310,6 +318,7 @@ def _span_events(spans: Iterable[Span], pid: int, tid: int, origin: int) -> list
             "args": args,
         }
         for name, s, e, args in spans
+        if not args.get("open")  # the whole span follows, drained once it ended
     ]
 
 

@@ -1,7 +1,8 @@
 """Spans, busy time and the merged trace (vime/profiling.py), and ``--profile-rollouts``.
 
 Proves that busy time is the union of spans clipped to the step (nested and
-overlapping spans count once), that a recorder not enabled keeps nothing, that the
+overlapping spans count once), that a recorder not enabled keeps nothing, that a span
+still running at a drain counts in both steps' busy time (once in the trace), that the
 step metrics (phase seconds, idle fractions, driver-only share, sync bytes, eval
 tokens/s, log-prob passes) are what the spans say, that a timed scorer's calls are
 driver "reward" phases, that torch.profiler's events come back on the wall clock
@@ -50,6 +51,25 @@ def test_a_recorder_records_only_once_enabled() -> None:
     assert span[0] == "generate" and span[3] == {"prompts": 2, "tokens": 7}
     assert span[1] <= span[2]
     assert recorder.drain() == []
+
+
+def test_a_span_that_outlives_a_drain_is_busy_time_of_both_steps() -> None:
+    """A call still running at a drain (an engine generating across two steps) comes out
+    as open, ending at the drain, and again whole once it ended: each step's busy time
+    has its part; the trace keeps only the whole span."""
+    recorder = Recorder()
+    recorder.enabled = True
+    with recorder.span("generate", tokens=3):
+        first = recorder.drain()
+        middle = time.time_ns()
+    (running,) = first
+    assert running[0] == "generate" and running[3] == {"open": True}
+    assert running[1] <= running[2] <= middle
+    (whole,) = recorder.drain()
+    assert whole[1] == running[1] and whole[2] >= middle and whole[3] == {"tokens": 3}
+    assert covered_ns([whole], middle, whole[2]) == whole[2] - middle  # the second step's part
+    events = profiling._span_events([running, whole], pid=1, tid=1, origin=0)
+    assert [e["args"] for e in events] == [{"tokens": 3}]
 
 
 def test_step_metrics_are_what_the_spans_say() -> None:
