@@ -10,10 +10,11 @@ same threads as the asynchronous rows; one synchronous row with ``--cpu-split of
 (both sides on every core, today's default) is there for reference.
 
 The throughput work is the embedded default with longer responses (``--response-len``,
-32 by default, against the default's 8), so that in a synchronous step neither the
-rollout phase nor the train phase takes more than two thirds of the step: the most the
-overlap can then buy is visible. Each synchronous row prints its phases' shares of the
-step time, so a reader sees whether that condition held.
+128 by default, against the default's 8: most stop at EOS well before), so that in a
+synchronous step the rollout and train phases are about even and neither takes more
+than two thirds of the step: the most the overlap can then buy is visible. Each
+synchronous row prints its phases' shares of the step time, so a reader sees whether
+that condition held.
 
 Printed per row: trained samples/s (rollout batch x samples per prompt over the median
 step, and over the sum of all step times), the ratio to the synchronous split row, the
@@ -51,7 +52,7 @@ SHARE_LIMIT = 2 / 3  # neither phase of a synchronous step should take more than
 # None: vime-train's embedded default. An eval interval past the last rollout leaves only
 # the final eval, after the timed steps.
 MODES: dict[str, dict[str, Any]] = {
-    "throughput": dict(rollouts=60, prompts=None, samples=None, response_len=32, eval=None),
+    "throughput": dict(rollouts=60, prompts=None, samples=None, response_len=128, eval=None),
     "learn": dict(rollouts=400, prompts=None, samples=None, response_len=None, eval=20),
     "smoke": dict(rollouts=3, prompts=4, samples=2, response_len=None, eval=2),
 }  # fmt: skip

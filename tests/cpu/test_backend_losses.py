@@ -8,7 +8,9 @@ with the same stale π_old and engine log-probs, give the same loss, metrics and
 norm, and the same weights after the optimizer step, flag after flag; (b) fsdp2's
 gradient equals the gradient of the objective written out here per sample and per token
 (unpacked HF forward, no vime code). And for every aggregation mode, DP 1 and DP 2 and
-four micro-batch geometries give the same gradient in both backends.
+four micro-batch geometries give the same gradient in both backends. With one update
+per rollout, π_old taken from the update's own forward equals a recomputed π_old on
+samples as stale as an asynchronous run's, in both backends.
 """
 
 from __future__ import annotations
@@ -182,7 +184,24 @@ def scenario_geometry(actor, args, cases: dict, custom: str) -> dict:
     return out
 
 
-SCENARIOS = {"cases": scenario_cases, "geometry": scenario_geometry}
+def scenario_proximal(actor, args, cases: dict, custom: str) -> dict:
+    """One update on samples whose engine log-probs are far from the trainer's (as stale
+    samples of an asynchronous run are), with the rollout correction on: π_old taken as
+    the update's own forward (``old=None``, what ``train`` does with one update per
+    rollout) and π_old recomputed by a separate pass first."""
+    flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
+    flags += ["--use-tis", "--tis-mode", "truncate", "--max-staleness", "2"]
+    actor.loss_config = LossConfig.from_args(parse_args(flags))
+    batch, _ = _stale_batch()
+    sched = schedule(batch, global_batch_size=8, dp_size=actor.world, micro_batch_size=2)
+    shortcut = _step(actor, sched, 0, None)
+    _clear_grads(actor)
+    recomputed = _step(actor, sched, 0, actor.compute_log_probs(sched, "actor"))
+    _clear_grads(actor)
+    return {"shortcut": shortcut, "recomputed": recomputed}
+
+
+SCENARIOS = {"cases": scenario_cases, "geometry": scenario_geometry, "proximal": scenario_proximal}
 
 
 def _job(rank: int, world: int, backend: str, scenario: str, args, cases, custom) -> dict:
@@ -363,3 +382,23 @@ def test_every_aggregation_mode_is_free_of_dp_and_micro_batch_geometry(
     # The four modes are four different objectives here (the comparison is not vacuous).
     norms = {reference[mode, 0, 0]["grad_norm"] for mode in AGG_MODES}
     assert len(norms) == 4
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+def test_one_update_needs_no_second_pass_for_pi_old_however_stale(
+    hf_dir, custom_path, tmp_path, backend
+):
+    """π_old is the proximal policy, the weights before the update: with one update per
+    rollout the update's own forward is on exactly those, so taking its log-probs
+    (detached) and recomputing them in a pass of their own give the same loss, metrics
+    and gradient, on samples whose engine log-probs are far off and corrected for."""
+    run = _run(hf_dir, backend, "proximal", 1, custom_path, tmp_path)
+    a, b = run["shortcut"], run["recomputed"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for name in a["metrics"]:
+        assert a["metrics"][name] == pytest.approx(b["metrics"][name], rel=1e-5, abs=1e-6), name
+    assert a["metrics"]["tis_weight_mean"] != pytest.approx(1.0, abs=1e-3)  # correction on
+    if a["grads"] is not None:
+        for name, grad in a["grads"].items():
+            torch.testing.assert_close(grad, b["grads"][name], rtol=1e-5, atol=1e-7)

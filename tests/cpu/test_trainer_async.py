@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cpu.test_trainer import FLAKY_REWARD, SMALL, _metrics, _start, _train
+from tests.cpu.test_trainer import FLAKY_REWARD, REQUIRED, SMALL, _metrics, _start, _train
 from vime.checkpoint import TRACKER, iteration_dir, load_metadata
 from vime.config.errors import ConfigError
 from vime.config.parser import parse_args
@@ -51,11 +51,16 @@ def test_every_rollout_trains_samples_at_most_k_old(async_run: Path) -> None:
     stdout = (async_run / "stdout.txt").read_text()
     assert [r["rollout_id"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
+        # Scoring runs in the producer's thread, in whichever step a call returns.
+        missing = [k for k in REQUIRED if k not in r and k != "phase/reward_s"]
+        assert not missing, missing
         assert 0 <= r["async/staleness_mean"] <= r["async/staleness_max"] <= 1
         assert r["async/groups_in_flight"] >= 0 and r["async/buffer_groups"] >= 0
+        assert r["perf/rollout_tokens_per_s"] >= 0  # 0 where no call returned in the step
         assert r["weights/version"] == r["rollout_id"] + 1
         assert r["weights/probe_logprob_abs_diff"] < 1e-4  # the engines serve what trained
         assert r["train/train_rollout_logprob_abs_diff"] >= 0
+    assert sum(r["perf/rollout_tokens_per_s"] for r in rows) > 0
     assert rows[0]["async/staleness_max"] == 0  # the first batch: version 0, trained at 0
     assert max(r["async/staleness_max"] for r in rows) == 1  # generation ran ahead
     assert "eval/pass@1" in rows[1] and "eval/pass@1" in rows[3]

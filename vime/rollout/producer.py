@@ -109,6 +109,7 @@ class RolloutProducer:
         self._exhausted = False
         # Since the last take: what the trained batch's metrics report.
         self._counts = collections.Counter()
+        self._last_take = time.perf_counter()
         # The last batch's groups: (prompt index, oldest weight version), for checks.
         self.last_taken: list[tuple[int, int]] = []
         self._thread = threading.Thread(target=self._run, name="vime-rollout-producer", daemon=True)
@@ -143,6 +144,8 @@ class RolloutProducer:
                     raise DataExhausted(f"the prompts ran out during rollout {rollout_id}")
                 self._cond.wait(POLL_S)
             counts, self._counts = self._counts, collections.Counter()
+            now, since = time.perf_counter(), self._last_take
+            self._last_take = now
             in_flight = sum(len(c.prompts) for c in self._in_flight.values())
             buffered = len(self.ready)
         self.last_taken = [(g.prompt.index, _oldest_version(g)) for g in groups]
@@ -152,7 +155,9 @@ class RolloutProducer:
         )
         metrics.update(
             {
-                "perf/rollout_time_s": time.perf_counter() - waited,
+                "perf/rollout_time_s": now - waited,
+                # What the engines generated since the last batch was taken, over that time.
+                "perf/rollout_tokens_per_s": counts["tokens"] / max(now - since, 1e-9),
                 "async/staleness_mean": sum(staleness) / len(staleness),
                 "async/staleness_max": float(max(staleness)),
                 "async/groups_stale_dropped": float(counts["stale"]),
@@ -242,6 +247,7 @@ class RolloutProducer:
             del self._in_flight[ref]
             for group in groups:
                 self._counts["failures"] += sum(r is None for r in group.rewards)
+                self._counts["tokens"] += sum(len(c.response_ids) for c in group.completions)
                 if self.settings.dynamic_sampling_filter and _all_agree(group.rewards):
                     self.admission.discard()
                     self._counts["filtered"] += 1
