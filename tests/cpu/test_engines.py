@@ -325,6 +325,34 @@ def test_completions_do_not_depend_on_the_number_of_engines(
     assert tokens(3) == one
 
 
+@pytest.mark.parametrize("kind", ["hf", "vllm"])
+def test_an_engine_generates_on_the_threads_it_was_built_with(tmp_path: Path, kind: str) -> None:
+    """An engine actor's calls run in thread pools of Ray's, not the thread its
+    ``__init__`` ran in: both ``generate`` (the default group) and ``submit`` (the
+    generate group) run on the ``num_threads`` the engine was built with (vLLM's CPU
+    attention refuses any other count: it failed every generation before)."""
+    ray = pytest.importorskip("ray")
+    if kind == "vllm" and vllm_import_error() is not None:
+        pytest.skip(vllm_import_error())
+    from vime.ray.placement import reserve
+
+    checkpoint = save_tiny(str(tmp_path / "model"), tiny_qwen3_config(vocab_size=48), seed=3)
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        layout = Layout(
+            num_train=0, num_engines=1, gpus_per_engine=1, colocate=False, use_gpu=False
+        )
+        options = {"num_threads": 2, "seed": 0, "max_model_len": 64}
+        group = EngineGroup(kind, checkpoint, reserve(layout), options)
+        params = SamplingParams(n=2, max_new_tokens=4, seed=1)
+        group.generate([[5, 9, 14]], params)
+        ray.get(group.submit(0, [[5, 9, 14]], params))
+        spans = [sp for sp in group.drain_spans()[0] if sp[0] == "generate"]
+        assert [sp[3]["threads"] for sp in spans] == [2, 2]
+    finally:
+        ray.shutdown()
+
+
 def test_a_dead_engine_is_named_as_the_cause() -> None:
     """After a failed transfer, ``raise_if_one_died`` names the engine whose process is
     gone (real Ray actors standing in for the engines), and says nothing while all live."""

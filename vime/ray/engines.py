@@ -108,10 +108,11 @@ class EngineActor:
         if cores:  # cores of its own (asynchronous rollout on the CPU): threads follow
             pin_process(cores)
             threads = len(cores)
-        if threads:
-            import torch
+        import torch
 
+        if threads:
             torch.set_num_threads(threads)
+        self._threads = torch.get_num_threads()
         self.engine = registry.build_engine(kind, checkpoint, options)
         self.engine.weight_version = 0
         self.weight_link: Any = None  # what the run's transport keeps here (open_weight_link)
@@ -125,14 +126,29 @@ class EngineActor:
         """``(engine, reason)``, as ``resolve_engine`` gave them in this process."""
         return self.kind, self.reason
 
+    def _same_threads(self) -> int:
+        """Give the calling thread the intra-op threads the engine was built with. The
+        actor's calls run in thread pools Ray started before ``__init__``, whose OpenMP
+        thread count (a per-thread setting; Ray sets OMP_NUM_THREADS to the actor's CPUs)
+        ``torch.set_num_threads`` there did not reach: vLLM's CPU attention refuses a
+        thread count other than the one it planned with, and the hf engine would run on
+        fewer threads than asked."""
+        import torch
+
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        return torch.get_num_threads()
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        with profiling.span("generate", prompts=len(prompts)) as info:
+        threads = self._same_threads()
+        with profiling.span("generate", prompts=len(prompts), threads=threads) as info:
             out = self.engine.generate(prompts, params)
             info["tokens"] = sum(len(c.response_ids) for group in out for c in group)
         return out
 
     @profiling.timed("score")
     def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
+        self._same_threads()
         return self.engine.score(token_ids, prompt_len, temperature)
 
     def drain_spans(self) -> list[profiling.Span]:
@@ -153,10 +169,12 @@ class EngineActor:
 
     def receive_weights(self, transport: str, *payload: Any) -> Any:
         """``transport``'s receive, with what its sender sent."""
+        self._same_threads()
         return transport_class(transport).receive(self, *payload)
 
     def load_weights(self, buckets: Iterable[list[Any]], version: int) -> int:
         """A whole set in one update; returns the version served."""
+        self._same_threads()
         with profiling.span("update_weights") as info:
             self.engine.update_weights(_counted(buckets, info), version)
         return self.engine.weight_version
@@ -165,6 +183,7 @@ class EngineActor:
         """Receive a bucket and hand it to this sync's update (the first bucket starts it;
         ``finish_update`` ends it). A failure ends the update where it is: the served
         version stays."""
+        self._same_threads()  # the update's own thread starts from this one's
         if self._stream is None:
             version = self.engine.weight_version  # named by finish_update
             self._stream = UpdateStream(lambda b: self.engine.update_weights(b, version))
@@ -198,10 +217,12 @@ class EngineActor:
 
     @profiling.timed("sleep")
     def sleep(self) -> None:
+        self._same_threads()
         self.engine.sleep()
 
     @profiling.timed("wake_up")
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._same_threads()
         self.engine.wake_up(tags)
 
 
