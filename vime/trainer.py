@@ -166,7 +166,9 @@ class Run:
             self.start_rollout = self.train_group.finish_init()
             startup.mark("trainer")
         engine_options = {
-            "num_threads": os.cpu_count() or 1,
+            # The embedded model's matmuls are too small to split over threads: on one it
+            # generates faster (bench/README.md: 0.078 against 0.105 s a rollout, 2 cores).
+            "num_threads": 1 if self.embedded else (os.cpu_count() or 1),
             "tensor_parallel_size": args.rollout_num_gpus_per_engine,
             "seed": args.seed,
             # The longest sequence a rollout makes: what the KV cache must hold.
