@@ -40,7 +40,7 @@ def load_function(spec: str, *, expected: Callable | None = None) -> Callable:
     if not module_part or not attr_part or not all(a.isidentifier() for a in attr_part.split(".")):
         raise ValueError(f"bad function spec {spec!r}: {_FORM}")
 
-    module = _import(module_part)
+    module = import_module_spec(module_part)
     obj: object = module
     for i, name in enumerate(attr_part.split(".")):
         if not hasattr(obj, name):
@@ -54,7 +54,9 @@ def load_function(spec: str, *, expected: Callable | None = None) -> Callable:
     return obj
 
 
-def _import(module_part: str) -> ModuleType:
+def import_module_spec(module_part: str) -> ModuleType:
+    """The module of a spec's ``<module>`` part: a dotted name, or a ``.py`` file path
+    (anything ending in ``.py`` or containing ``/``); a one-line ``ValueError`` if not."""
     if module_part.endswith(".py") or "/" in module_part:
         return _import_file(Path(module_part))
     try:

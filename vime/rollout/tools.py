@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vime.algo.custom import _import as import_module_spec
+from vime.algo.custom import import_module_spec
 from vime.config.errors import ConfigError
 
 ErrorKind = Literal["parse", "unknown_tool", "bad_arguments", "raised", "timeout"]
