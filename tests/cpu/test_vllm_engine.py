@@ -38,7 +38,6 @@ Skipped where vLLM is not installed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -47,7 +46,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -421,65 +420,45 @@ def test_a_failing_step_aborts_the_requests_left(
     assert tokens == [[c.response_ids for c in group] for group in expected]
 
 
-def test_score_shares_steps_with_a_generation(
+def test_a_score_during_a_generation_waits_for_it(
     setup: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``score`` from another thread while ``generate`` runs: its request joins the
-    generation's steps, its temperature scales its own prompt log-probs and not the
-    tokens sampled beside it, and each call gets its own outputs back."""
+    """``score`` from another thread while ``generate`` runs (the asynchronous loop's
+    probe) waits for that generation to end, then scores at its own temperature; the
+    generation's tokens and log-probs are what it draws alone."""
     engine = setup.engine
-    llm_engine = engine._llm.llm_engine
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=5)
     alone = engine.generate(PROMPTS, params)
     generator = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (20,), generator=generator).tolist()
-    scored: list[list[float]] = []
+    scored: list[tuple[list[float], float]] = []
     errors: list[BaseException] = []
-    score_added = threading.Event()
 
     def score() -> None:
         try:
-            scored.append(engine.score(ids, 6, 0.7))
+            scored.append((engine.score(ids, 6, 0.7), time.monotonic()))
         except BaseException as err:  # re-raised by the test thread
             errors.append(err)
-            score_added.set()
 
     scorer = threading.Thread(target=score)
-    add_request = llm_engine.add_request
-
-    def add(request_id: str, prompt: Any, sampling: Any, *args: Any, **kwargs: Any) -> str:
-        added = add_request(request_id, prompt, sampling, *args, **kwargs)
-        if sampling.prompt_logprobs is not None:
-            score_added.set()
-        return added
-
-    # The generation's next step waits, outside the gate, until the score's request is in.
-    gate_step, generating = engine.gate.step, threading.get_ident()
-
-    @contextlib.contextmanager
-    def step() -> Iterator[None]:
-        if threading.get_ident() == generating and scorer.is_alive():
-            assert score_added.wait(timeout=60)
-        with gate_step():
-            yield
-
-    monkeypatch.setattr(llm_engine, "add_request", add)
-    monkeypatch.setattr(engine.gate, "step", step)
     _step_hook(monkeypatch, engine, 1, scorer.start)
     try:
         shared = engine.generate(PROMPTS, params)
+        generated_at = time.monotonic()
     finally:
         monkeypatch.undo()
-        scorer.join(timeout=60)
+        scorer.join(timeout=120)
     assert not errors and len(scored) == 1
-    assert _max_diff(scored[0], _reference(setup.model, ids, 6, 0.7)) < 1e-4
+    values, scored_at = scored[0]
+    assert scored_at >= generated_at  # it waited for the generation
+    assert _max_diff(values, _reference(setup.model, ids, 6, 0.7)) < 1e-4
     assert any(len(c.response_ids) > 2 for group in shared for c in group), "none in flight"
     for prompt, group, group_alone in zip(PROMPTS, shared, alone, strict=True):
         for c, c_alone in zip(group, group_alone, strict=True):
             assert c.response_ids == c_alone.response_ids
             expected = _reference(setup.model, prompt + c.response_ids, len(prompt), 1.0)
             assert _max_diff(c.log_probs, expected) < 1e-4
-    assert not llm_engine.has_unfinished_requests() and not engine._finished
+    assert not engine._llm.llm_engine.has_unfinished_requests() and not engine._finished
 
 
 def test_prompt_logit_scale_wraps_the_v2_model_runner() -> None:

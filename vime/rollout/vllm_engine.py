@@ -353,6 +353,10 @@ class VLLMEngine:
         # Weight loads begun: the prefix-cache salt of the requests added after them.
         self._loads = 0
         self._score_lock = threading.Lock()  # one temperature at a time for prompt logits
+        # Whole calls: generations may overlap each other, a score runs alone and goes
+        # before the next generation (a score sharing a generation's engine steps could
+        # leave that generation stepping for ever: seen once in CI).
+        self._calls = StepGate()
         # vLLM logs at INFO per request batch and weight reload; a run's console is for
         # the progress line. VLLM_LOGGING_LEVEL=INFO brings it back.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -422,7 +426,9 @@ class VLLMEngine:
                 )
                 requests.append((list(prompt), sampling))
         results: list[list[Completion]] = [[] for _ in prompts]
-        for k, (request_output, oldest, newest) in enumerate(self._run(requests)):
+        with self._calls.step():
+            ran = self._run(requests)
+        for k, (request_output, oldest, newest) in enumerate(ran):
             i = k // params.n
             out = request_output.outputs[0]
             response = list(out.token_ids)
@@ -509,9 +515,10 @@ class VLLMEngine:
         vLLM's prompt log-probs skip the sampler, so they are always at T = 1
         whatever the logprobs mode. For T != 1 the logits they are computed from are
         scaled by 1/T while this request runs (``vime_set_prompt_logit_scale``, set on
-        every worker by RPC and restored afterwards; the tokens a generation samples in
-        the same steps keep theirs): exact, and O(length) instead of the full-vocab
-        prompt log-probs a host-side correction would need.
+        every worker by RPC and restored afterwards): exact, and O(length) instead of
+        the full-vocab prompt log-probs a host-side correction would need. A score that
+        arrives while ``generate`` runs in another thread waits for it to end and goes
+        before the next one.
         """
         from vllm import SamplingParams as VllmSamplingParams
 
@@ -527,7 +534,7 @@ class VLLMEngine:
             max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
         )
         scale = 1.0 / temperature
-        with self._score_lock:
+        with self._calls.load(), self._score_lock:
             if scale != 1.0:
                 self._set_prompt_logit_scale(scale)
             try:
