@@ -44,6 +44,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vime import device as vime_device
 from vime.rollout.step_gate import StepGate
 from vime.rollout.types import MEMORY_TAGS, Completion, SamplingParams, wake_tags
@@ -379,6 +381,10 @@ class VLLMEngine:
                 enforce_eager=not on_cuda if enforce_eager is None else enforce_eager,
                 use_tqdm_on_load=False,
             )
+        # vLLM's CPU attention plans for the intra-op thread count the engine was built
+        # with and refuses to run on another; torch's count is per thread, and calls come
+        # from other threads (an actor's thread pools, a probe's scoring thread).
+        self._threads = torch.get_num_threads()
         # A uniprocess in-process engine runs the worker in this process: Python
         # objects (the lazy weights iterator) reach it without serialisation.
         core = type(self._llm.llm_engine.engine_core).__name__
@@ -405,6 +411,7 @@ class VLLMEngine:
         """
         from vllm import SamplingParams as VllmSamplingParams
 
+        self._same_threads()
         self._check_awake(MEMORY_TAGS)
         if params.n < 1:
             raise ValueError(f"n must be >= 1, got {params.n}")
@@ -522,6 +529,7 @@ class VLLMEngine:
         """
         from vllm import SamplingParams as VllmSamplingParams
 
+        self._same_threads()
         self._check_awake(MEMORY_TAGS)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -550,6 +558,11 @@ class VLLMEngine:
         with self.gate.step():
             self._llm.collective_rpc("vime_set_prompt_logit_scale", args=(scale,))
 
+    def _same_threads(self) -> None:
+        """This thread's intra-op thread count set to the engine's (see ``__init__``)."""
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+
     def update_weights(self, buckets: Iterable[list[tuple[str, Any]]], version: int) -> None:
         """Load a full set of HF-named tensors, bucket by bucket, and serve ``version``.
 
@@ -569,6 +582,7 @@ class VLLMEngine:
         Prefixes cached before the load are not reused after it: requests added from now
         on carry a prefix-cache salt of their own (see ``_run``).
         """
+        self._same_threads()
         if self._in_process:
             self._reload("vime_reload_weights", _flatten(buckets), version)
             return
