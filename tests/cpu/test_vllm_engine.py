@@ -660,21 +660,3 @@ def test_engine_actor_openmp_sleeps_when_idle(
     finally:
         if started:
             ray.shutdown()
-
-
-def test_a_call_from_a_thread_with_another_thread_count_runs(setup: SimpleNamespace) -> None:
-    """torch's intra-op thread count is per thread, and vLLM's CPU attention refuses a
-    count other than the one it planned with: a call from a thread set to another
-    count (an actor's pool thread, a probe's scoring thread) still generates."""
-    engine = setup.engine
-    other = 1 if engine._threads != 1 else 2
-    out: list[Any] = []
-
-    def call() -> None:
-        torch.set_num_threads(other)
-        out.append(engine.generate(PROMPTS[:1], SamplingParams(n=1, max_new_tokens=4, seed=1)))
-
-    worker = threading.Thread(target=call)
-    worker.start()
-    worker.join(timeout=120)
-    assert len(out) == 1 and len(out[0][0][0].response_ids) >= 1
