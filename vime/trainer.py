@@ -51,6 +51,8 @@ from vime.rollout import registry as engine_registry
 from vime.rollout.manager import DataExhausted, RolloutManager
 from vime.rollout.producer import ProducerSettings, RolloutProducer
 from vime.rollout.rewards import build_reward_scorer, reward_needs_label
+from vime.rollout.tool_loop import build_agent
+from vime.rollout.tools import load_tools
 from vime.step_timing import StepTiming
 from vime.tracking import Tracker, default_output_dir, quiet_library_progress_bars
 
@@ -110,6 +112,8 @@ class Run:
         self.tokenizer = _tokenizer(checkpoint_dir, embedded=self.embedded)
         task_name = builtin_task_of(args.prompt_data or "")
         self.task = _task(task_name)
+        # Multi-turn rollouts: the tools, shown to the model in its prompts.
+        self.toolbox = load_tools(args.tools) if args.tools else None
         train_prompts, self.prompt_ids, dropped = self._prompts(args, args.prompt_data)
         source = PromptSource(train_prompts, num_epoch=args.num_epoch, seed=args.seed)
         num_rollout = args.num_rollout or source.total_batches(args.rollout_batch_size)
@@ -134,7 +138,11 @@ class Run:
                 args, args.eval_prompt_data
             )
             self.dropped["data/eval_prompts_dropped"] = float(eval_dropped)
-        self.scorer = build_reward_scorer(args, self.task.reward if self.task else None)
+        self.scorer = build_reward_scorer(
+            args,
+            self.task.reward if self.task else None,
+            task_reads_trajectory=bool(self.task and self.task.reads_trajectory),
+        )
         startup.mark("model")  # the checkpoint, the tokenizer, the prompts, the reward
 
         # Ray's start (unless vime-train started it already) and the run's placement.
@@ -217,6 +225,7 @@ class Run:
             self.prompt_ids,
             is_correct=self.task.is_correct if self.task else None,
             warn=self.log,
+            agent=build_agent(args, self.tokenizer, self.engines, self.toolbox),
         )
         pending: list[int] = []
         if self.start_rollout > 0:
@@ -387,7 +396,10 @@ class Run:
             require_label=reward_needs_label(args),
             apply_chat_template=args.apply_chat_template,
         )
-        ids = [render_prompt(p.text, self.tokenizer, args.apply_chat_template) for p in prompts]
+        tools = self.toolbox.schemas if self.toolbox else None
+        ids = [
+            render_prompt(p.text, self.tokenizer, args.apply_chat_template, tools) for p in prompts
+        ]
         kept, kept_ids, dropped = filter_prompt_lengths(
             prompts, ids, args.rollout_max_prompt_len, spec=spec
         )
@@ -462,6 +474,9 @@ class Run:
         scorer = getattr(self, "scorer", None)
         if scorer is not None:
             scorer.close()
+        toolbox = getattr(self, "toolbox", None)
+        if toolbox is not None:
+            toolbox.close()
         if ray.is_initialized():
             stop_ray()
 

@@ -154,7 +154,7 @@ def test_builtin_specs() -> None:
     assert builtin_task_of("builtin:add:eval") == "add"
     assert builtin_task_of("builtin:reverse") == "reverse"
     assert builtin_task_of("data/x.jsonl") is None
-    with pytest.raises(ConfigError, match="known tasks: add, largest_digit, reverse"):
+    with pytest.raises(ConfigError, match="known tasks: add, largest_digit, lookup, reverse"):
         load_prompts("builtin:nope")
     with pytest.raises(ConfigError, match="no split 'test'"):
         load_prompts("builtin:add:test")

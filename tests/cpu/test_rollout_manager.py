@@ -38,6 +38,7 @@ from vime.config import parse_args
 from vime.data.prompts import PromptSource, load_prompts, render_prompt
 from vime.data.tasks import CHARSET
 from vime.models.embedded import build_tokenizer
+from vime.rollout.agent import AgentRollouts, Trajectory, Turn
 from vime.rollout.manager import DataExhausted, RolloutManager, rollout_seed
 from vime.rollout.rewards import build_reward_scorer
 from vime.rollout.types import Completion, SamplingParams
@@ -117,8 +118,11 @@ class ScriptedEngine:
     def wake_up(self, tags: list[str] | None = None) -> None: ...
 
 
-def _setup(tmp_path: Path, tokenizer, script: list[list[str]], *flags: str, warn=None):
-    """A manager over prompts "q0=", "q1=", ... (label "ab"), drawn in file order."""
+def _setup(
+    tmp_path: Path, tokenizer, script: list[list[str]], *flags: str, warn=None, agent_fn=None
+):
+    """A manager over prompts "q0=", "q1=", ... (label "ab"), drawn in file order;
+    ``agent_fn``: multi-turn trajectories from that generate function."""
     texts = [f"q{i}=" for i in range(len(script))]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": t, "label": "ab"}) + "\n" for t in texts))
@@ -148,6 +152,7 @@ def _setup(tmp_path: Path, tokenizer, script: list[list[str]], *flags: str, warn
         PromptSource(prompts, shuffle=False),
         ids,
         warn=warn or (lambda line: None),
+        agent=None if agent_fn is None else AgentRollouts(agent_fn, engine, 32),
     )
     return manager, engine
 
@@ -368,3 +373,52 @@ def test_reward_sees_a_chat_message_prompt_as_the_text_the_model_was_given(
     assert manager._prompt_text(messages, ids) == tokenizer.decode(ids)
     assert isinstance(manager._prompt_text(messages, ids), str)
     assert manager._prompt_text(Prompt(text="q0=", label="ab", index=0), ids) == "q0="
+
+
+TRAJECTORY_REWARD = """
+def reward(args, sample):
+    # The final answer is the response; the whole trajectory and its metadata come too.
+    if sample.trajectory != "calc<eos> 4=" + sample.response or sample.metadata != {"turns": 2}:
+        raise ValueError(f"unexpected {sample.trajectory!r} {sample.metadata!r}")
+    return float(sample.response == sample.label)
+"""
+
+
+def test_trajectories_train_the_models_tokens_and_reward_the_final_answer(
+    tmp_path, tokenizer
+) -> None:
+    """A multi-turn trajectory's environment tokens reach the batch with mask 0; the
+    reward reads the final answer as the response, and the trajectory whole; a reward
+    the generate function gives itself replaces the scorer's; the agent metrics count
+    turns, calls and model against environment tokens."""
+    eos = tokenizer.eos_token_id
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def gen(sample, engine):
+        traj = Trajectory(metadata={"turns": 2}, tool_calls=1)
+        traj.add_turn(Turn([*ids("calc"), eos], [-0.5] * 5, "stop"))
+        traj.add_env(ids(" 4="))
+        answer = "ab" if sample.sample_index % 2 == 0 else "x"
+        traj.add_turn(Turn([*ids(answer), eos], [-0.25] * (len(answer) + 1), "stop"))
+        if sample.sample_index == 3:
+            traj.reward = 0.5
+        return traj
+
+    rm = tmp_path / "rm.py"
+    rm.write_text(TRAJECTORY_REWARD)
+    manager, _ = _setup(
+        tmp_path, tokenizer, [RIGHT] * 2, "--custom-rm-path", f"{rm}:reward", agent_fn=gen
+    )
+    batch, metrics = manager.generate(0)
+    assert metrics["rollout/reward_failures"] == 0
+    assert metrics["rollout/reward_mean"] == pytest.approx((1 + 0 + 1 + 0.5) / 4)
+    for k, mask in enumerate(batch.loss_masks):
+        answer = 3 if k % 2 == 0 else 2
+        assert mask == [1] * 5 + [0] * 3 + [1] * answer
+        assert batch.rollout_log_probs[k] == [-0.5] * 5 + [0.0] * 3 + [-0.25] * answer
+    assert batch.advantages[0] > 0 > batch.advantages[1]
+    assert metrics["agent/turns_mean"] == 2 and metrics["agent/tool_calls"] == 8
+    assert metrics["agent/calling_frac"] == 1.0 and metrics["agent/env_tokens_mean"] == 3
+    assert metrics["agent/model_tokens_mean"] == pytest.approx(5 + 2.5)

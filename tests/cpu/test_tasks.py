@@ -12,9 +12,11 @@ from __future__ import annotations
 import pytest
 
 from vime.config.errors import ConfigError
-from vime.data.tasks import CHARSET, DEFAULT_TASK, TASKS, get_task
+from vime.data.tasks import CHARSET, DEFAULT_TASK, TASKS, get, get_task
 
 NAMES = sorted(TASKS)
+# Tasks whose reward reads the response alone (a tool task's reads the trajectory).
+ANSWER_TASKS = [name for name in NAMES if not TASKS[name].reads_trajectory]
 
 
 def _solve(name: str, prompt: str) -> str:
@@ -30,7 +32,7 @@ def _solve(name: str, prompt: str) -> str:
 
 
 def test_known_tasks_and_default() -> None:
-    assert {"reverse", "add", "largest_digit"} <= set(TASKS)
+    assert {"reverse", "add", "largest_digit", "lookup"} <= set(TASKS)
     assert DEFAULT_TASK == "reverse"
     assert get_task("add") is TASKS["add"]
 
@@ -45,7 +47,7 @@ def test_unknown_split_is_a_config_error() -> None:
         TASKS["reverse"].make_examples("test", seed=0)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ANSWER_TASKS)
 def test_labels_are_the_true_answers_and_score_one(name: str) -> None:
     task = TASKS[name]
     for split in ("train", "eval"):
@@ -60,7 +62,7 @@ def test_labels_are_the_true_answers_and_score_one(name: str) -> None:
             assert task.reward(f" {row['label']}\n", row["label"]) == 1.0
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ANSWER_TASKS)
 def test_misses_score_below_one_and_within_bounds(name: str) -> None:
     task = TASKS[name]
     for row in task.make_examples("eval", seed=0):
@@ -133,7 +135,7 @@ def test_charset_is_small_and_unique() -> None:
     assert {" ", "="} <= set(CHARSET)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ANSWER_TASKS)
 def test_no_constant_answer_games_the_reward(name: str) -> None:
     """The best single answer for every eval prompt, from a wide pool, stays far from 1."""
     task = TASKS[name]
@@ -149,3 +151,27 @@ def test_no_constant_answer_games_the_reward(name: str) -> None:
         sum(task.is_correct(answer, r["label"]) for r in rows) / len(rows) for answer in candidates
     )
     assert best_accuracy <= 0.15, best_accuracy
+
+
+def test_lookup_needs_its_tool_and_shapes_the_call() -> None:
+    """Each label is the key and what ``get`` returns for it; only the right final
+    answer after the call scores 1; credit grows with the call's right positions;
+    answering without a call earns nothing, and no constant answer is right often."""
+    task = TASKS["lookup"]
+    assert task.tools == "vime.data.tasks:LOOKUP_TOOLS"
+    assert task.reads_trajectory and not TASKS["reverse"].reads_trajectory
+    rows = task.make_examples("eval", seed=0)
+    for row in rows:
+        key, value = row["label"].split()
+        assert row["prompt"] == f"key {key}=" and get(key) == value
+        assert task.is_correct(f" {value}\n", row["label"])
+        assert task.reward(f"get {key}<eos>{value}={value}", row["label"]) == 1.0
+    key, value = rows[0]["label"].split()
+    other = str((int(value) + 1) % 1000).zfill(3)
+    calls = ["x", "g", "ge", "get", f"get {key[0]}", f"get {key}"]
+    scores = [task.reward(f"{c}<eos>{value}={other}", rows[0]["label"]) for c in calls]
+    assert scores == sorted(scores) and len(set(scores)) == len(scores) and scores[-1] < 1.0
+    assert task.reward(other, rows[0]["label"]) == 0.0
+    assert get("zzz") == "no key zzz"
+    values = [r["label"].split()[1] for r in rows]
+    assert max(values.count(v) for v in values) <= 3  # no constant answer pays

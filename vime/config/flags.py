@@ -12,6 +12,7 @@ are numbers of processes.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 from vime.rollout import registry as engine_registry
 
@@ -556,9 +557,62 @@ def apply_embedded_eval_defaults(args: argparse.Namespace) -> None:
         args.eval_interval = EMBEDDED_EVAL_INTERVAL
 
 
+def apply_embedded_task_defaults(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """A built-in tool task's response budget (its trajectories hold a call, the tool's
+    answer and the final answer), unless ``--rollout-max-response-len`` was given."""
+    from vime.data.prompts import builtin_task_of  # deferred: it imports vime.config
+    from vime.data.tasks import TASKS
+
+    name = builtin_task_of(args.prompt_data) if args.prompt_data else None
+    given = any(a.split("=")[0] == "--rollout-max-response-len" for a in argv)
+    if name in TASKS and not given:  # an unknown name is refused, with the flag, later
+        args.rollout_max_response_len = getattr(
+            TASKS[name], "max_response_len", args.rollout_max_response_len
+        )
+
+
+def _agent(p: argparse._ArgumentGroup) -> None:
+    p.add_argument(
+        "--tools",
+        default=None,
+        metavar="MODULE:NAME",
+        help="a list of Python functions the model may call: each sample becomes a "
+        "multi-turn trajectory, the tools' answers appended as untrained tokens "
+        "(builtin: tool tasks name their own)",
+    )
+    p.add_argument(
+        "--custom-generate-function-path",
+        default=None,
+        metavar="MODULE:FN",
+        help="async fn(sample, engine) -> vime.rollout.agent.Trajectory: your own "
+        "multi-turn generation in place of the tool loop",
+    )
+    p.add_argument(
+        "--max-turns",
+        type=positive_int,
+        default=4,
+        help="--tools: model turns per trajectory at most (one that still calls a tool "
+        "is cut there)",
+    )
+    p.add_argument(
+        "--tool-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="--tools: a call running longer becomes an error the model reads",
+    )
+    p.add_argument(
+        "--tool-max-output-tokens",
+        type=positive_int,
+        default=256,
+        help="--tools: a tool's answer is cut to this many tokens before the model sees it",
+    )
+
+
 GROUPS = (
     ("cluster", "placement of training ranks and rollout engines", _cluster),
     ("rollout", "generation and reward", _rollout),
+    ("agent", "multi-turn rollouts: tools, custom generation", _agent),
     ("data", "model, prompts and their fields", _data),
     ("model", "architecture flags (MODEL_ARGS), checked against --hf-checkpoint", _model),
     ("algorithm", "advantages, policy loss, KL, batching", _algorithm),

@@ -18,7 +18,12 @@ from collections.abc import Sequence
 
 from vime.backends import registry
 from vime.config.errors import ConfigError
-from vime.config.flags import EMBEDDED_DEFAULTS, add_common_flags, apply_embedded_eval_defaults
+from vime.config.flags import (
+    EMBEDDED_DEFAULTS,
+    add_common_flags,
+    apply_embedded_eval_defaults,
+    apply_embedded_task_defaults,
+)
 from vime.config.validate import validate
 
 PROG = "vime-train"
@@ -161,5 +166,6 @@ def parse_args(argv: Sequence[str], *, for_run: bool = False) -> Config:
         raise ConfigError(_explain_unknown(unknown, backend, parser))
     if embedded:
         apply_embedded_eval_defaults(namespace)
+        apply_embedded_task_defaults(namespace, argv)
     validate(namespace, for_run=for_run)
     return namespace.freeze()

@@ -42,6 +42,7 @@ def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
     _check_dynamic_sampling(args)
     _check_algorithm(args)
     _check_custom_functions(args)
+    _check_agent(args)
     _check_rewards(args)
     _check_optimizer(args)
     _check_checkpointing(args)
@@ -408,6 +409,35 @@ def _check_custom_functions(args: argparse.Namespace) -> None:
             vime.algo.load_function(spec, expected=getattr(vime.algo, builtin))
         except ValueError as err:
             raise ConfigError(f"{flag} {spec}: {err}") from None
+
+
+def _check_agent(args: argparse.Namespace) -> None:
+    """Multi-turn rollouts: a built-in tool task implies its tools; the tools or the
+    generate function import now, so a broken one fails at start-up."""
+    from vime.data.prompts import builtin_task_of  # deferred: no config<->data cycle
+
+    task = builtin_task_of(args.prompt_data) if args.prompt_data else None
+    if task:
+        from vime.data.tasks import get_task
+
+        implied = getattr(get_task(task), "tools", "")
+        if implied and args.tools is None and args.custom_generate_function_path is None:
+            args.tools = implied
+    if args.tools is not None and args.custom_generate_function_path is not None:
+        raise ConfigError(
+            "--tools and --custom-generate-function-path both generate the trajectories; "
+            "give one (a custom function can run tools itself)"
+        )
+    if not args.tool_timeout > 0:
+        raise ConfigError(f"--tool-timeout must be > 0 seconds, got {args.tool_timeout}")
+    if args.tools is not None:
+        from vime.rollout.tools import load_tools
+
+        load_tools(args.tools).close()
+    if args.custom_generate_function_path is not None:
+        from vime.rollout.agent import load_generate_function
+
+        load_generate_function(args.custom_generate_function_path)
 
 
 def _check_rewards(args: argparse.Namespace) -> None:

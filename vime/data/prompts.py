@@ -242,13 +242,19 @@ def _kind(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def render_prompt(text: str | list[dict], tokenizer: Any, apply_chat_template: bool) -> list[int]:
+def render_prompt(
+    text: str | list[dict],
+    tokenizer: Any,
+    apply_chat_template: bool,
+    tools: list[dict] | None = None,
+) -> list[int]:
     """Token ids of a prompt, ready for the engine.
 
     With ``apply_chat_template`` the conversation -- ``text`` itself when it is a
     list of messages, else one user message holding it -- is followed by the
     template's generation prompt (the template adds whatever BOS or role tokens it
-    wants), so a string and the one-user-message list give the same ids. Without
+    wants), so a string and the one-user-message list give the same ids; ``tools``
+    (JSON schemas) are shown to the model as the template shows them. Without
     it the ids are the text's tokens and nothing else: no BOS, no EOS, so a
     raw-text prompt is exactly what the data says; a message list is then an error.
     """
@@ -258,7 +264,10 @@ def render_prompt(text: str | list[dict], tokenizer: Any, apply_chat_template: b
                 "--apply-chat-template: the tokenizer has no chat template; drop the flag"
             )
         messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        out = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **extra
+        )
     elif not isinstance(text, str):
         raise ConfigError(
             "a prompt that is a list of chat messages needs a chat template; "

@@ -30,6 +30,7 @@ import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from vime.config.errors import ConfigError
 
@@ -62,6 +63,8 @@ class Task:
     answer_alphabet: str
     right_align: bool
     build: Callable[[], tuple[tuple[Example, ...], tuple[Example, ...]]]
+    # The reward reads the whole trajectory (tool turns included), not the final answer.
+    reads_trajectory: ClassVar[bool] = False
 
     def make_examples(self, split: str, seed: int) -> list[dict]:
         """Rows ``{"prompt", "label"}`` of ``split`` ("train" or "eval"), ordered by ``seed``.
@@ -182,6 +185,76 @@ def _build_largest_digit() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
     return tuple(train), tuple(held_out)
 
 
+# --- lookup: the answer lives only behind a tool -------------------------------
+# Every key (3 letters of 'abcdefgh') holds a random 3-digit value, so a held-out key's
+# value cannot be learned, only looked up: ``get abc`` (the plain tool format of
+# ``vime.rollout.tool_loop``) answers ``412``, appended as ``412=``, and the model
+# then answers ``412``. The label is "<key> <value>".
+
+_LOOKUP_ALPHABET = "abcdefgh"
+_EOS_TEXT = "<eos>"  # how the embedded tokenizer decodes its EOS (vime.models.embedded)
+
+
+@functools.cache
+def _lookup_table() -> dict[str, str]:
+    rng = random.Random(f"{_SPLIT_SEED}:lookup:values")
+    keys = ["".join(k) for k in itertools.product(_LOOKUP_ALPHABET, repeat=3)]
+    return {key: f"{rng.randrange(1000):03d}" for key in keys}
+
+
+def get(key: str) -> str:
+    """The value stored under a key.
+
+    Args:
+        key: three letters from a to h, e.g. abc
+    """
+    return _lookup_table().get(key, f"no key {key}")
+
+
+LOOKUP_TOOLS = [get]
+
+
+def _build_lookup() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+    universe = [(f"key {key}=", f"{key} {value}") for key, value in _lookup_table().items()]
+    return _split_universe(universe, "lookup")
+
+
+def _positions(answer: str, target: str) -> float:
+    """Share of ``target``'s positions ``answer`` matches, over the longer of the two."""
+    if not answer or not target:
+        return 0.0
+    matches = sum(a == b for a, b in zip(answer, target, strict=False))
+    return matches / max(len(answer), len(target))
+
+
+@dataclass(frozen=True)
+class ToolTask(Task):
+    """A task solved by calling ``tools`` (``module:NAME`` for ``--tools``); its reward
+    reads the whole trajectory, and it needs ``max_response_len`` tokens for one."""
+
+    tools: str = ""
+    max_response_len: int = 16
+    reads_trajectory: ClassVar[bool] = True
+
+    def is_correct(self, response: str, label: str) -> bool:
+        """The final answer is the looked-up value."""
+        return response.strip() == label.split()[1]
+
+    def reward(self, response: str, label: str) -> float:
+        """``response`` is the trajectory: 1.0 for the right final answer, else
+
+            0.5 * (first turn against the right call) + 0.4 * (answer against the value)
+
+        by matching positions; the answer counts only after a tool turn."""
+        key, value = label.split()
+        turns = response.split(_EOS_TEXT)
+        answer = turns[-1].rsplit("=", 1)[-1].strip()
+        if answer == value:
+            return 1.0
+        call = _positions(turns[0].strip(), f"get {key}")
+        return 0.5 * call + (0.4 * _positions(answer, value) if len(turns) > 1 else 0.0)
+
+
 TASKS: dict[str, Task] = {
     task.name: task
     for task in (
@@ -205,6 +278,16 @@ TASKS: dict[str, Task] = {
             answer_alphabet=string.digits,
             right_align=False,
             build=_build_largest_digit,
+        ),
+        ToolTask(
+            name="lookup",
+            description="look a key's value up with the get tool: 'key abc=' -> "
+            "'get abc', then '412'",
+            answer_alphabet=string.digits,
+            right_align=False,
+            build=_build_lookup,
+            tools="vime.data.tasks:LOOKUP_TOOLS",
+            max_response_len=24,
         ),
     )
 }

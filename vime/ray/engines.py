@@ -308,6 +308,10 @@ class EngineGroup:
                 continue
             first = params.first_prompt_index + start
             chunk_params = dataclasses.replace(params, first_prompt_index=first)
+            if params.prompt_indices is not None:
+                chunk_params = dataclasses.replace(
+                    chunk_params, prompt_indices=params.prompt_indices[start:stop]
+                )
             refs.append(self.actors[k].generate.remote(prompts[start:stop], chunk_params))
         out: list[list[Completion]] = []
         for part in wait_all(refs, "generating completions"):

@@ -407,7 +407,7 @@ class HFEngine:
 
         keys = None
         if params.temperature != 0:
-            prompt_index = torch.tensor([params.first_prompt_index + i for i, _ in rows])
+            prompt_index = torch.tensor([params.prompt_index(i) for i, _ in rows])
             keys = row_keys(seed, prompt_index, torch.tensor([j for _, j in rows])).to(dev)
         # A lookup table rather than ``isin``: one gather a step. Ids the model cannot emit
         # cannot stop it either.

@@ -44,7 +44,9 @@ from vime.algo import compute_advantages, load_function
 from vime.config.errors import ConfigError
 from vime.data.batch import RolloutBatch
 from vime.data.prompts import Prompt, PromptSource
+from vime.rollout.agent import AgentRollouts
 from vime.rollout.rewards import RewardInput, RewardScorer
+from vime.rollout.tools import ERROR_KINDS
 from vime.rollout.types import Completion, SamplingParams
 
 
@@ -81,7 +83,10 @@ class RolloutManager:
         *,
         is_correct: Callable[[str, Any], bool] | None = None,
         warn: Callable[[str], None] = print,
+        agent: AgentRollouts | None = None,
     ) -> None:
+        """``agent``: multi-turn trajectories (``--tools`` or a custom generate function)
+        in place of one engine call per prompt."""
         self.args = args
         self.engines = engines
         self.tokenizer = tokenizer
@@ -90,6 +95,7 @@ class RolloutManager:
         self.prompt_ids = prompt_ids  # Prompt.index -> token ids
         self.is_correct = is_correct
         self.warn = warn
+        self.agent = agent
         stops = list(args.rollout_stop_token_ids)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:
             stops.append(tokenizer.eos_token_id)
@@ -175,11 +181,22 @@ class RolloutManager:
         }
         if self.is_correct is not None:
             metrics["rollout/accuracy"] = _mean(self._correct(kept))
+        if self.agent is not None:
+            metrics.update(agent_metrics([c for g in kept for c in g.completions]))
         return metrics
 
     def _sample(self, prompts: Sequence[Prompt], seed: int) -> list[_Group]:
         params = self.sampling_params(seed)
-        return self.score(prompts, self.engines.generate(self.ids(prompts), params))
+        return self.score(prompts, self.complete(prompts, self.ids(prompts), params))
+
+    def complete(
+        self, prompts: Sequence[Prompt], ids: list[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """``params.n`` completions per prompt from every engine: one call, or with an
+        agent one trajectory each, turn by turn."""
+        if self.agent is not None:
+            return self.agent.generate(prompts, ids, params)
+        return self.engines.generate(ids, params)
 
     def sampling_params(self, seed: int) -> SamplingParams:
         """The training rollouts' sampling settings, drawn with ``seed``."""
@@ -206,20 +223,34 @@ class RolloutManager:
     def _score(
         self, prompts: Sequence[Prompt], completions: list[list[Completion]]
     ) -> list[_Group]:
-        texts = self.decode_all([c.response_ids for group in completions for c in group])
+        flat = [c for group in completions for c in group]
+        # A trajectory's reward reads its final answer (the last model turn) as the
+        # response, and the whole of it, tool turns included, as the trajectory.
+        answers = [c.response_ids[_agent(c).get("answer_start", 0) :] for c in flat]
+        texts = self.decode_all(answers)
+        whole = [
+            self.decode_all([c.response_ids])[0] if _agent(c).get("answer_start") else text
+            for c, text in zip(flat, texts, strict=True)
+        ]
         n = len(completions[0]) if completions else 0
         inputs = [
             RewardInput(
                 prompt=self._prompt_text(p, group[0].prompt_ids),
                 response=texts[g * n + j],
                 label=p.label,
-                metadata=p.metadata,
+                metadata={**p.metadata, **_agent(group[j]).get("metadata", {})},
                 group=g,
+                trajectory=whole[g * n + j],
             )
             for g, (p, group) in enumerate(zip(prompts, completions, strict=True))
             for j in range(len(group))
         ]
-        rewards = self.scorer.score_sync(inputs)
+        own = [_agent(c).get("reward") for c in flat]
+        if all(r is not None for r in own):
+            rewards = [float(r) for r in own]
+        else:
+            rewards = self.scorer.score_sync(inputs)
+            rewards = [r if o is None else float(o) for r, o in zip(rewards, own, strict=True)]
         return [
             _Group(
                 p,
@@ -277,7 +308,8 @@ class RolloutManager:
                 ok = reward is not None
                 tokens.append(group.prompt_ids + list(completion.response_ids))
                 prompt_lengths.append(len(group.prompt_ids))
-                masks.append([int(ok)] * len(completion.response_ids))
+                mask = completion.loss_mask or [1] * len(completion.response_ids)
+                masks.append([m * int(ok) for m in mask])
                 logps.append(list(completion.log_probs))
                 advs.append(advantages[i] if ok else 0.0)
                 i += 1
@@ -303,23 +335,58 @@ class RolloutManager:
         # Its own id table, never swapped in: the asynchronous producer reads the training
         # one from its thread meanwhile.
         ids = [prompt_ids[p.index] for p in prompts]
-        groups = self.score(prompts, self.engines.generate(ids, params))
+        groups = self.score(prompts, self.complete(prompts, ids, params))
         rewards = [r for g in groups for r in g.rewards if r is not None]
         if self.is_correct is not None:
             correct = self._correct(groups)
         else:  # binary rewards (math, exact): a sample is correct when it scores 1
             correct = [r is not None and r >= 1.0 for g in groups for r in g.rewards]
-        return {
+        metrics = {
             "eval/reward_mean": _mean(rewards),
             "eval/pass@1": _mean(correct),
             "eval/num_prompts": float(len(prompts)),
         }
+        if self.agent is not None:
+            calls = agent_metrics([c for g in groups for c in g.completions])
+            metrics["eval/calling_frac"] = calls["agent/calling_frac"]
+        return metrics
 
     def state_dict(self) -> dict:
         return {"prompts": self.source.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state["prompts"])
+
+
+def _agent(completion: Completion) -> dict[str, Any]:
+    return completion.extra.get("agent", {})
+
+
+def agent_metrics(completions: Sequence[Completion]) -> dict[str, float]:
+    """Per rollout: turns, tool calls and their errors by kind, tool seconds, the
+    trajectories cut by ``--max-turns`` or the budget, model against environment tokens."""
+    stats = [_agent(c) for c in completions]
+    turns = [s.get("turns", 1) for s in stats]
+    calls = [s.get("tool_calls", 0) for s in stats]
+    model = [
+        sum(c.loss_mask) if c.loss_mask is not None else len(c.response_ids) for c in completions
+    ]
+    env = [len(c.response_ids) - m for c, m in zip(completions, model, strict=True)]
+    metrics = {
+        "agent/turns_mean": _mean(turns),
+        "agent/turns_max": float(max(turns, default=0)),
+        "agent/tool_calls": float(sum(calls)),
+        "agent/calling_frac": _mean([k > 0 for k in calls]),
+        "agent/tool_seconds": float(sum(s.get("tool_seconds", 0.0) for s in stats)),
+        "agent/model_tokens_mean": _mean(model),
+        "agent/env_tokens_mean": _mean(env),
+    }
+    for cut in ("max_turns", "budget"):
+        metrics[f"agent/cut_{cut}"] = float(sum(s.get("cut") == cut for s in stats))
+    for kind in ERROR_KINDS:
+        errors = sum(s.get("tool_errors", {}).get(kind, 0) for s in stats)
+        metrics[f"agent/tool_errors_{kind}"] = float(errors)
+    return metrics
 
 
 def _all_agree(rewards: list[float | None]) -> bool:

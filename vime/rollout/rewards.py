@@ -73,7 +73,10 @@ class RewardInput:
     """One sample to score; ``group`` is the index of its prompt in the rollout.
 
     ``prompt`` is the row's text, or for a row of chat messages the templated prompt the
-    model was given; ``response`` the decoded completion without its final stop token.
+    model was given; ``response`` the decoded completion without its final stop token
+    (of a multi-turn trajectory: its final answer, the last model turn);
+    ``trajectory`` everything after the prompt, tool turns included (for a single
+    turn, the response).
     """
 
     prompt: str
@@ -81,6 +84,7 @@ class RewardInput:
     label: Any
     metadata: dict = field(default_factory=dict)
     group: int = 0
+    trajectory: str = ""
 
 
 class RewardError(Exception):
@@ -180,8 +184,12 @@ def check_reward_args(args: Any) -> None:
         load_custom_reward(args.custom_rm_path, args.group_rm)
 
 
-def build_reward_scorer(args: Any, task_reward: TaskReward | None = None) -> RewardScorer:
-    """The scorer the flags ask for; ``task_reward`` is the built-in task's reward, if any."""
+def build_reward_scorer(
+    args: Any, task_reward: TaskReward | None = None, *, task_reads_trajectory: bool = False
+) -> RewardScorer:
+    """The scorer the flags ask for; ``task_reward`` is the built-in task's reward, if any
+    (given the sample's ``trajectory`` in place of its response with
+    ``task_reads_trajectory``)."""
     source = _choose_source(args, task_reward is not None)
     if source == "remote":
         threads = _Threads()
@@ -203,7 +211,8 @@ def build_reward_scorer(args: Any, task_reward: TaskReward | None = None) -> Rew
         # response that says "None".
         if sample.label is None:
             raise RewardError(_NO_LABEL)
-        return rule(sample.response, sample.label)
+        whole = task_reads_trajectory and source == "task"
+        return rule(sample.trajectory if whole else sample.response, sample.label)
 
     # Rule-based rewards are cheap: a plain loop, no event loop, thread or timeout.
     return RewardScorer(source, inline_fn=call)

@@ -190,6 +190,14 @@ class Toolbox:
         """The ``tools=`` list for ``apply_chat_template`` (transformers' JSON schemas)."""
         return [t.schema for t in self._tools.values()]
 
+    def positional_call(self, name: str, values: Sequence[Any]) -> ToolCall:
+        """A call whose arguments came in order (the plain format), bound to the tool's
+        parameter names; values beyond them keep numbered names, which ``run`` reports."""
+        tool = self._tools.get(name)
+        params = list(tool.signature.parameters) if tool else []
+        names = params + [f"arg{k + 1}" for k in range(len(params), len(values))]
+        return ToolCall(name, dict(zip(names, values, strict=False)))
+
     async def run(self, call: ToolCall, *, timeout_s: float) -> ToolResult:
         """Run ``call``; any failure becomes an error :class:`ToolResult`."""
         start = time.perf_counter()

@@ -43,6 +43,11 @@ class SamplingParams:
     is the whole batch): a caller that splits one batch over several engines
     passes each part's offset, so a completion does not depend on how many
     engines there are or how the prompts were split between them.
+
+    ``prompt_indices`` (one per prompt) replaces ``first_prompt_index + i`` as
+    prompt i's index in that derivation: the multi-turn loop batches whichever
+    turns are ready and names each by its trajectory and turn, so a turn's draw
+    does not depend on what else shares its call.
     """
 
     n: int = 1
@@ -53,6 +58,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     first_prompt_index: int = 0
+    prompt_indices: tuple[int, ...] | None = None
+
+    def prompt_index(self, i: int) -> int:
+        """The index prompt ``i`` of the request is seeded by."""
+        if self.prompt_indices is not None:
+            return self.prompt_indices[i]
+        return self.first_prompt_index + i
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,9 @@ class Completion:
     # (oldest, newest) weight version that sampled its tokens: they differ when new
     # weights arrived while it was generating (asynchronous rollout). None: not recorded.
     weight_versions: tuple[int, int] | None = None
+    # One 0/1 per response token: 1 for the model's own tokens, 0 for what the
+    # environment appended (a multi-turn trajectory's tool turns). None: all the model's.
+    loss_mask: list[int] | None = None
 
 
 class RolloutEngine(Protocol):

@@ -395,7 +395,7 @@ class VLLMEngine:
         """``params.n`` completions for each prompt, in prompt order.
 
         Each completion is its own vLLM request seeded from ``(params.seed,
-        params.first_prompt_index + prompt index, sample index)``
+        params.prompt_index(i), sample index)``
         (``params.seed=None`` draws a base from the engine's seed), so a
         completion depends neither on batch composition nor on how a batch was
         split over engines, and greedy decoding works with ``n > 1``.
@@ -428,7 +428,7 @@ class VLLMEngine:
                     max_tokens=params.max_new_tokens,
                     stop_token_ids=stop,
                     logprobs=0,  # the sampled token's log-prob only
-                    seed=_request_seed(base, params.first_prompt_index + i, j),
+                    seed=_request_seed(base, params.prompt_index(i), j),
                     detokenize=False,
                 )
                 requests.append((list(prompt), sampling))
