@@ -49,6 +49,41 @@ def make_batch(rollout_id: int, n: int = 8, nan: bool = False) -> RolloutBatch:
     return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
 
 
+def make_multiturn_batch(rollout_id: int, n: int = 8) -> RolloutBatch:
+    """``n`` seeded tool-using samples: each response is 2-3 model turns (loss mask 1, 1-4
+    tokens) with environment tokens between them (tool answers, chat-template scaffolding:
+    mask 0, 1-3 tokens), so every mask has interior holes.
+
+    Sample 3 also ends on environment tokens (a turn cut short); sample ``n - 1`` is all
+    environment, excluded from the loss (as a failed reward is). Pairs share their prompt,
+    as ``make_batch``'s do.
+    """
+    rng = random.Random(1000 + rollout_id)
+    tokens, prompts, masks = [], [], []
+    for i in range(n):
+        if i % 2 == 0:
+            p = rng.randint(2, 5)
+            prompt = [rng.randrange(VOCAB) for _ in range(p)]
+        turns = rng.randint(2, 3)
+        mask: list[int] = []
+        for turn in range(turns):
+            mask += [1] * rng.randint(1, 4)
+            if turn < turns - 1 or i == 3:
+                mask += [0] * rng.randint(1, 3)
+        if i == n - 1:
+            mask = [0] * len(mask)
+        tokens.append(prompt + [rng.randrange(VOCAB) for _ in mask])
+        prompts.append(p)
+        masks.append(mask)
+    adv = [rng.gauss(0, 1) for _ in range(n)]
+    return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
+
+
+def has_interior_hole(mask: list[int]) -> bool:
+    """True when a 0 sits between two 1s (an environment run inside the response)."""
+    return "0" in "".join(str(int(m)) for m in mask).strip("0")
+
+
 def actor_args(
     hf: str, world: int, *extra: str, backend: str = "fsdp2", tp: int = 1, pp: int = 1
 ) -> Any:

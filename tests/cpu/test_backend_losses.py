@@ -11,16 +11,22 @@ gradient equals the gradient of the objective written out here per sample and pe
 four micro-batch geometries give the same gradient in both backends. With one update
 per rollout, π_old taken from the update's own forward equals a recomputed π_old on
 samples as stale as an asynchronous run's, in both backends.
+
+Multi-turn (tool-using) samples, whose loss masks have environment tokens inside the
+response, get the same checks -- alignment, the definition, DP and geometry -- and:
+junk in the engine's log-probs and π_old at those tokens changes nothing, bit for bit,
+and the token-mean loss and token metrics are means over the model's tokens only.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from actor_harness import VOCAB, make_batch, spawn
+from actor_harness import VOCAB, has_interior_hole, make_batch, make_multiturn_batch, spawn
 from tiny_models import save_tiny, tiny_qwen3_config
 
 pytest.importorskip("megatron.core")
@@ -64,10 +70,40 @@ CASES = {
     },
     "agg-dr-grpo": ["--loss-agg-mode", "seq-mean-token-sum-norm", "--loss-agg-norm-len", "12"],
 }
+# Multi-turn (tool-using) samples under every flag that reads the loss mask: the rollout
+# correction at both levels and modes, GSPO, each KL estimator, the entropy bonus, the
+# dual clip, and the four aggregation modes. "mt-token-mean" is also checked by hand.
+MULTITURN_CASES = {
+    "mt-token-mean": [
+        *("--use-tis", "--tis-clip", "1.5", "--entropy-coef", "0.05"),
+        *("--kl-loss-coef", "0.5", "--kl-loss-type", "k1"),
+    ],
+    "mt-tis-sequence-mask": [
+        *("--use-tis", "--tis-level", "sequence", "--tis-mode", "mask"),
+        *("--tis-clip", "1.6", "--tis-clip-low", "0.8", "--entropy-coef", "0.05"),
+    ],
+    "mt-gspo": [
+        *("--policy-loss-level", "sequence", "--loss-agg-mode", "seq-mean-token-mean"),
+        *("--use-tis", "--tis-level", "sequence"),
+    ],
+    "mt-seq-mean-token-mean": [
+        *("--loss-agg-mode", "seq-mean-token-mean", "--use-tis", "--tis-mode", "mask"),
+        *("--tis-clip", "1.5", "--kl-loss-coef", "0.5", "--kl-loss-type", "low_var_kl"),
+    ],
+    "mt-seq-mean-token-sum": [
+        *("--loss-agg-mode", "seq-mean-token-sum", "--eps-clip-c", "1.5"),
+        *("--kl-loss-coef", "0.5", "--kl-loss-type", "k3", "--entropy-coef", "0.05"),
+    ],
+    "mt-dr-grpo": [
+        *("--loss-agg-mode", "seq-mean-token-sum-norm", "--loss-agg-norm-len", "24"),
+        *("--use-tis", "--kl-loss-coef", "0.5", "--kl-loss-type", "k2"),
+    ],
+}
 FIELDS = ("tokens", "prompt_lengths", "loss_masks", "advantages")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 GEOMETRIES = ({"micro_batch_size": 1}, {"micro_batch_size": 2}, {"micro_batch_size": 4},
               {"max_tokens_per_gpu": 16})  # fmt: skip
+GEOMETRY_BATCHES = ("single", "multiturn")  # make_batch(1); make_multiturn_batch(2)
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +127,16 @@ def _base(hf: str, world: int, backend: str) -> list[str]:
     return flags
 
 
-def _stale_batch(current: dict[int, torch.Tensor] | None = None):
-    """Rollout 1 of the harness with engine log-probs, and a π_old a few steps stale.
+def _stale_batch(current: dict[int, torch.Tensor] | None = None, base: RolloutBatch | None = None):
+    """Rollout 1 of the harness (or ``base``) with engine log-probs, and a π_old a few steps
+    stale.
 
     π_old is ``current`` (the actor's log-probs now; default ≈ −ln 64, what the tiny
     random model gives every token) plus noise, and the engine's log-probs are π_old
-    plus a per-sequence offset and noise: ratios on both sides of every bound."""
-    batch = make_batch(1)
+    plus a per-sequence offset and noise: ratios on both sides of every bound. For a
+    ``base`` batch, even samples' engine log-probs are 0 at mask-0 (environment) tokens,
+    as an engine reports tokens it did not sample."""
+    batch = make_batch(1) if base is None else base
     gen = torch.Generator().manual_seed(11)
     old, rollout = {}, []
     for i, mask in enumerate(batch.loss_masks):
@@ -105,7 +144,10 @@ def _stale_batch(current: dict[int, torch.Tensor] | None = None):
         now = torch.full((n,), -math.log(VOCAB)) if current is None else current[i]
         old[i] = now + 0.5 * torch.randn(n, generator=gen)
         offset = 0.9 * (i % 4 - 1.5) / 1.5  # whole sequences past 1.6 and below 0.8
-        rollout.append((old[i] + offset + 0.3 * torch.randn(n, generator=gen)).tolist())
+        values = old[i] + offset + 0.3 * torch.randn(n, generator=gen)
+        if base is not None and i % 2 == 0:
+            values = torch.where(torch.tensor(mask) > 0, values, 0.0)
+        rollout.append(values.tolist())
     stale = RolloutBatch(
         batch.tokens, batch.prompt_lengths, batch.loss_masks, batch.advantages, rollout
     )
@@ -169,18 +211,20 @@ def scenario_cases(actor, args, cases: dict, custom: str) -> dict:
 
 
 def scenario_geometry(actor, args, cases: dict, custom: str) -> dict:
-    """Per aggregation mode and micro-batch geometry, both steps' gradients (no update)."""
-    batch, old = _stale_batch()
+    """Per batch (the harness's, and multi-turn samples whose masks have interior holes),
+    aggregation mode and micro-batch geometry, both steps' gradients (no update)."""
     out = {}
-    for mode in AGG_MODES:
-        flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
-        flags += ["--loss-agg-mode", mode, "--use-tis", "--entropy-coef", "0.05"]
-        actor.loss_config = LossConfig.from_args(parse_args(flags))
-        for k, geometry in enumerate(GEOMETRIES):
-            sched = schedule(batch, global_batch_size=4, dp_size=actor.world, **geometry)
-            for step in range(2):
-                out[mode, k, step] = _step(actor, sched, step, old)
-                _clear_grads(actor)
+    for kind in GEOMETRY_BATCHES:
+        batch, old = _stale_batch(base=make_multiturn_batch(2) if kind == "multiturn" else None)
+        for mode in AGG_MODES:
+            flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
+            flags += ["--loss-agg-mode", mode, "--use-tis", "--entropy-coef", "0.05"]
+            actor.loss_config = LossConfig.from_args(parse_args(flags))
+            for k, geometry in enumerate(GEOMETRIES):
+                sched = schedule(batch, global_batch_size=4, dp_size=actor.world, **geometry)
+                for step in range(2):
+                    out[kind, mode, k, step] = _step(actor, sched, step, old)
+                    _clear_grads(actor)
     return out
 
 
@@ -201,7 +245,77 @@ def scenario_proximal(actor, args, cases: dict, custom: str) -> dict:
     return {"shortcut": shortcut, "recomputed": recomputed}
 
 
-SCENARIOS = {"cases": scenario_cases, "geometry": scenario_geometry, "proximal": scenario_proximal}
+# Junk for the engine's log-probs and π_old at mask-0 (environment) tokens: a run must
+# never read them.
+JUNK = (math.nan, math.inf, -math.inf, 1e4, -30.0)
+
+
+def _junk_at_env_tokens(batch: RolloutBatch, old: dict) -> tuple[RolloutBatch, dict]:
+    """``batch`` and ``old`` with every mask-0 position's engine log-prob and π_old junk."""
+    rollout, junk_old = [], {}
+    for i, mask in enumerate(batch.loss_masks):
+        fill = torch.tensor([JUNK[(i + t) % len(JUNK)] for t in range(len(mask))])
+        env = torch.tensor(mask) == 0
+        rollout.append(torch.where(env, fill, torch.tensor(batch.rollout_log_probs[i])).tolist())
+        junk_old[i] = torch.where(env, fill.flip(0), old[i])
+    fields = (batch.tokens, batch.prompt_lengths, batch.loss_masks, batch.advantages)
+    return RolloutBatch(*fields, rollout), junk_old
+
+
+def _moved_at_model_tokens(batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` with the engine's log-probs at mask-1 (model) tokens moved by 0.25."""
+    rollout = [
+        [v + 0.25 * m for v, m in zip(values, mask, strict=True)]
+        for values, mask in zip(batch.rollout_log_probs, batch.loss_masks, strict=True)
+    ]
+    fields = (batch.tokens, batch.prompt_lengths, batch.loss_masks, batch.advantages)
+    return RolloutBatch(*fields, rollout)
+
+
+def _local_grads(actor) -> list[torch.Tensor]:
+    """This rank's gradient tensors, plain (both backends), in ``trained_params`` order."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in actor.trained_params]
+    return [(g.to_local() if isinstance(g, DTensor) else g).detach().clone() for g in grads]
+
+
+def scenario_multiturn(actor, args, cases: dict, custom: str) -> dict:
+    """Per multi-turn case, on tool-using samples (interior mask holes; half of them with
+    engine log-probs 0 at environment tokens): one step's backward with junk at every
+    mask-0 position of the engine's log-probs and π_old, one with the engine's log-probs
+    moved at mask-1 positions (a control), then the step itself and its optimizer step."""
+    out = {}
+    tool = make_multiturn_batch(2)
+    for name, case in MULTITURN_CASES.items():
+        flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
+        actor.loss_config = LossConfig.from_args(parse_args(flags + case))
+
+        def plan(batch):
+            return schedule(batch, global_batch_size=8, dp_size=actor.world, micro_batch_size=2)
+
+        batch, old = _stale_batch(actor.compute_log_probs(plan(tool), "actor"), base=tool)
+        junk_batch, junk_old = _junk_at_env_tokens(batch, old)
+        junk = _step(actor, plan(junk_batch), 0, junk_old)
+        junk["local_grads"] = _local_grads(actor)
+        _clear_grads(actor)
+        moved = _step(actor, plan(_moved_at_model_tokens(batch)), 0, old)
+        _clear_grads(actor)
+        before = _full_weights(actor)
+        result = _step(actor, plan(batch), 0, old)
+        result["local_grads"] = _local_grads(actor)
+        actor._optimizer_step(8)
+        out[name] = {**result, "junk": junk, "moved": moved, "before": before}
+        out[name].update(after=_full_weights(actor), old=old, rollout=batch.rollout_log_probs)
+    return out
+
+
+SCENARIOS = {
+    "cases": scenario_cases,
+    "geometry": scenario_geometry,
+    "proximal": scenario_proximal,
+    "multiturn": scenario_multiturn,
+}
 
 
 def _job(rank: int, world: int, backend: str, scenario: str, args, cases, custom) -> dict:
@@ -365,23 +479,22 @@ def test_every_aggregation_mode_is_free_of_dp_and_micro_batch_geometry(
         for world in (1, 2)
     }
     reference = runs["fsdp2", 1]
-    for mode in AGG_MODES:
-        for step in range(2):
-            base = reference[mode, 0, step]
-            for (backend, world), run in runs.items():
-                for k in range(len(GEOMETRIES)):
-                    got = run[mode, k, step]
-                    where = (mode, step, backend, world, GEOMETRIES[k])
-                    assert got["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-7), where
-                    assert got["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5), where
-                    if got["grads"] is not None:
-                        for name, grad in base["grads"].items():
-                            torch.testing.assert_close(
-                                got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=str(where)
-                            )
+    for kind, mode, step in itertools.product(GEOMETRY_BATCHES, AGG_MODES, range(2)):
+        base = reference[kind, mode, 0, step]
+        for (backend, world), run in runs.items():
+            for k in range(len(GEOMETRIES)):
+                got = run[kind, mode, k, step]
+                where = (kind, mode, step, backend, world, GEOMETRIES[k])
+                assert got["loss"] == pytest.approx(base["loss"], rel=1e-5, abs=1e-7), where
+                assert got["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5), where
+                if got["grads"] is not None:
+                    for name, grad in base["grads"].items():
+                        torch.testing.assert_close(
+                            got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=str(where)
+                        )
     # The four modes are four different objectives here (the comparison is not vacuous).
-    norms = {reference[mode, 0, 0]["grad_norm"] for mode in AGG_MODES}
-    assert len(norms) == 4
+    for kind in GEOMETRY_BATCHES:
+        assert len({reference[kind, mode, 0, 0]["grad_norm"] for mode in AGG_MODES}) == 4, kind
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
@@ -402,3 +515,110 @@ def test_one_update_needs_no_second_pass_for_pi_old_however_stale(
     if a["grads"] is not None:
         for name, grad in a["grads"].items():
             torch.testing.assert_close(grad, b["grads"][name], rtol=1e-5, atol=1e-7)
+
+
+# ----- multi-turn (tool-using) samples: environment tokens inside the response ------------
+
+
+def _multiturn_batch(rollout: list[list[float]]) -> RolloutBatch:
+    tool = make_multiturn_batch(2)
+    return RolloutBatch(*(getattr(tool, f) for f in FIELDS), rollout)
+
+
+def test_multiturn_samples_aligned_and_equal_to_their_definition(hf_dir, custom_path, tmp_path):
+    """On samples whose loss masks have interior holes (environment tokens), under every
+    mask-reading flag, fsdp2 and megatron give the same loss, metrics, gradient norm and
+    updated weights, and fsdp2's gradient is that of the objective written out by hand."""
+    fsdp = _run(hf_dir, "fsdp2", "multiturn", 1, custom_path, tmp_path)
+    mega = _run(hf_dir, "megatron", "multiturn", 1, custom_path, tmp_path)
+    tool = make_multiturn_batch(2)
+    assert sum(has_interior_hole(m) for m in tool.loss_masks) >= len(tool) - 1
+    for case, flags in MULTITURN_CASES.items():
+        _assert_same_step(mega[case], fsdp[case], case)
+        for name, weight in fsdp[case]["after"].items():
+            diff = (mega[case]["after"][name] - weight).abs()
+            assert diff.max() <= 5e-5, (case, name, float(diff.max()))
+        parsed = parse_args(_base(hf_dir, 1, "fsdp2") + flags)
+        batch = _multiturn_batch(fsdp[case]["rollout"])
+        expected = _reference_grads(hf_dir, fsdp[case]["before"], batch, fsdp[case]["old"], parsed)
+        for name, grad in expected.items():
+            torch.testing.assert_close(fsdp[case]["grads"][name], grad, rtol=1e-4, atol=1e-6)
+    # The corrections sat on both sides of their bounds on these samples too.
+    assert fsdp["mt-token-mean"]["metrics"]["tis_ratio_max"] > 1.5
+    assert 0 < fsdp["mt-tis-sequence-mask"]["metrics"]["tis_masked_frac"] < 1
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+def test_env_tokens_contribute_nothing(hf_dir, custom_path, tmp_path, backend):
+    """Junk (NaN, ±inf, 1e4) in the engine's log-probs and π_old at every mask-0 token
+    leaves the loss, every metric and every gradient bit-identical, under every
+    multi-turn case; the same log-probs moved at mask-1 tokens do change them."""
+    run = _run(hf_dir, backend, "multiturn", 1, custom_path, tmp_path)
+    for case in MULTITURN_CASES:
+        real, junk, moved = run[case], run[case]["junk"], run[case]["moved"]
+        assert junk["loss"] == real["loss"], case
+        assert junk["grad_norm"] == real["grad_norm"], case
+        assert junk["metrics"] == real["metrics"], case
+        assert "train_rollout_logprob_abs_diff" in real["metrics"], case
+        assert all(math.isfinite(v) for v in real["metrics"].values()), case
+        for a, b in zip(junk["local_grads"], real["local_grads"], strict=True):
+            assert torch.equal(a, b), case
+        # The control: what sits at model tokens is read.
+        diff = "train_rollout_logprob_abs_diff"
+        assert moved["metrics"][diff] != pytest.approx(real["metrics"][diff], abs=1e-3), case
+        if "--use-tis" in MULTITURN_CASES[case]:
+            assert moved["loss"] != pytest.approx(real["loss"], rel=1e-6, abs=1e-9), case
+
+
+def test_multiturn_metrics_and_normalizers_count_model_tokens_only(hf_dir, custom_path, tmp_path):
+    """With environment tokens inside the responses, the token-mean loss and the token
+    metrics (entropy, KL, ppo_kl, the rollout correction's ratios, the train-rollout
+    log-prob gap) are means over mask-1 tokens, computed here by hand from an HF forward."""
+    from transformers import AutoModelForCausalLM
+
+    case = "mt-token-mean"
+    got = _run(hf_dir, "fsdp2", "multiturn", 1, custom_path, tmp_path)[case]
+    batch, old = _multiturn_batch(got["rollout"]), got["old"]
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.load_state_dict(got["before"], strict=True)
+    ref_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    sums: dict[str, float] = {}
+    every_token_gap, ratio_max, num_tokens = 0.0, -math.inf, 0
+    with torch.no_grad():
+        for i in range(len(batch)):
+            ids, p = torch.tensor([batch.tokens[i]]), batch.prompt_lengths[i]
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, p - 1 : -1], -1)
+            ref_all = torch.log_softmax(ref_model(input_ids=ids).logits[0, p - 1 : -1], -1)
+            logp = logprobs.gather(1, ids[0, p:, None])[:, 0]
+            ref = ref_all.gather(1, ids[0, p:, None])[:, 0]
+            rollout = torch.tensor(batch.rollout_log_probs[i])
+            every_token_gap += float((logp - rollout).abs().sum())
+            for t, m in enumerate(batch.loss_masks[i]):
+                if not m:
+                    continue
+                num_tokens += 1
+                ratio = math.exp(float(old[i][t] - rollout[t]))
+                ratio_max = max(ratio_max, ratio)
+                terms = {
+                    "entropy": float(-(logprobs[t].exp() * logprobs[t]).sum()),
+                    "kl_loss": float(logp[t] - ref[t]),  # k1
+                    "ppo_kl": float(old[i][t] - logp[t]),
+                    "train_rollout_logprob_abs_diff": abs(float(logp[t] - rollout[t])),
+                    "tis_ratio_mean": ratio,
+                    "tis_weight_mean": min(ratio, 1.5),
+                    "tis_truncated_frac": float(ratio > 1.5),
+                }
+                for name, value in terms.items():
+                    sums[name] = sums.get(name, 0.0) + value
+    model_tokens = sum(sum(m) for m in batch.loss_masks)
+    assert num_tokens == model_tokens < sum(len(m) for m in batch.loss_masks)
+    for name, total in sums.items():
+        assert got["metrics"][name] == pytest.approx(total / num_tokens, rel=1e-4, abs=1e-5), name
+    assert got["metrics"]["tis_ratio_max"] == pytest.approx(ratio_max, rel=1e-4)
+    parsed = parse_args(_base(hf_dir, 1, "fsdp2") + MULTITURN_CASES[case])
+    want = _reference_loss(model, ref_model, batch, old, parsed)  # Σ over mask-1 / their count
+    assert got["loss"] == pytest.approx(float(want.detach()), rel=1e-4, abs=1e-6)
+    # Not vacuous: counting environment tokens would move the gap metric well off.
+    response_tokens = sum(len(m) for m in batch.loss_masks)
+    gap = got["metrics"]["train_rollout_logprob_abs_diff"]
+    assert abs(every_token_gap / response_tokens - gap) > 0.1

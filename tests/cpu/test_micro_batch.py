@@ -14,7 +14,8 @@ cross-sample attention without it). Shared prompts: the row holds each distinct
 prompt once, responses continue its positions, the per-sample fields keep the
 samples' order, and under ``varlen_sdpa`` its log-probs, entropies and gradients
 equal the per-sample forwards' as the unshared row's do; an attention that takes
-``cu_seqlens`` is refused such a row.
+``cu_seqlens`` is refused such a row. Multi-turn loss masks (environment tokens inside
+a response) keep their holes on the right tokens, shared prompts or not.
 """
 
 from __future__ import annotations
@@ -257,3 +258,43 @@ def test_gradient_through_packed_log_probs_equals_per_sample_gradient(model, pac
     unpacked = torch.autograd.grad((weights * (want_logp + 0.1 * want_ent)).sum(), params)
     for got, want in zip(packed, unpacked, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+# Multi-turn loss masks for _grouped_samples' responses (3, 1, 5; 2, 4, 1; 3 tokens):
+# environment tokens (0) inside the responses, a response ending on them, one all 0.
+TURN_MASKS = [[1, 0, 1], [1], [1, 0, 0, 1, 1], [0, 1], [1, 0, 1, 0], [0], [1, 1, 0]]
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_mask_holes_stay_at_their_tokens(model, share_prompts):
+    """Interior zeros of multi-turn loss masks land on the same response tokens after
+    packing (with or without shared prompts): the packed mask is each sample's mask, and
+    a packed forward's log-probs and entropies are the per-sample forward's at mask-1
+    tokens and exactly 0 at mask-0 ones."""
+    varlen_attention.register_hf()
+    twin = Qwen3ForCausalLM._from_config(
+        tiny_qwen3_config(64), attn_implementation=varlen_attention.HF_NAME
+    )
+    twin.load_state_dict(model.state_dict())
+    twin.float().eval()
+    ids, prompts = _grouped_samples(6)
+    order = [0, 3, 6, 1, 4, 2, 5]  # groups interleaved, as a planner may place them
+    ids, prompts = [ids[i] for i in order], [prompts[i] for i in order]
+    masks = [TURN_MASKS[i] for i in order]
+    batch = pack_micro_batch(ids, prompts, masks, pad_to_multiple_of=8, share_prompts=share_prompts)
+    assert batch.shares_prompts == share_prompts
+    width = batch.loss_mask.shape[1]
+    assert batch.loss_mask.tolist() == [m + [0] * (width - len(m)) for m in masks]
+    for i, (tokens, p) in enumerate(zip(ids, prompts, strict=True)):
+        start = int(batch.response_starts[i])  # the response sits there, env tokens too
+        assert batch.input_ids[0, start : start + len(tokens) - p].tolist() == tokens[p:]
+        assert int(batch.input_ids[0, batch.prompt_ends[i]]) == tokens[p - 1]
+    with torch.no_grad():
+        logits = twin(**batch.model_inputs()).logits
+        logp, ent = response_log_probs(logits, batch, temperature=0.8, with_entropy=True)
+        want_logp, want_ent = _unpacked(model, ids, prompts, 0.8)
+    mask = batch.loss_mask
+    assert bool((want_logp[mask == 0] != 0).any())  # the zeros below come from the mask
+    torch.testing.assert_close(logp, want_logp * mask, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, want_ent * mask, rtol=0, atol=1e-5)
+    assert bool((logp[mask == 0] == 0).all()) and bool((ent[mask == 0] == 0).all())

@@ -12,7 +12,9 @@ Then the point of the global normalizers: for all four aggregation modes, the
 gradient summed over micro-batches and over simulated dp ranks, each
 micro-batch normalized by its step's numbers, equals the gradient of
 ``aggregate_loss`` over the whole step as one batch (float64, tight) -- and a
-negative control shows that per-micro-batch normalizers would break it.
+negative control shows that per-micro-batch normalizers would break it. The
+rollouts include multi-turn masks (environment tokens inside a response), and
+``schedule`` counts only their mask-1 tokens in the normalizers.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from vime.algo.aggregation import AGGREGATION_MODES, aggregate_loss
+from vime.data.batch import RolloutBatch, schedule
 from vime.data.packing import RolloutPlan, _equalize_micro_counts, plan_rollout
 
 # Dr. GRPO's constant length (the run's generation budget), the same for every step.
@@ -187,8 +190,21 @@ def test_bad_lengths_raise():
 # --- gradient invariance ---------------------------------------------------------------------
 
 
+def _turns_mask(length: int, run: int) -> torch.Tensor:
+    """A multi-turn loss mask: ``run`` model tokens (1), ``run`` environment tokens (0), ..."""
+    return ((torch.arange(length) // run) % 2 == 0).to(torch.float64)
+
+
+def _has_hole(mask: torch.Tensor) -> bool:
+    """A 0 between two 1s: environment tokens inside the response."""
+    ones = mask.nonzero()
+    return len(ones) > 0 and bool((mask[int(ones[0]) : int(ones[-1]) + 1] == 0).any())
+
+
 def _step_data(num_samples: int, seed: int):
-    """Per-token features, 0/1 loss masks and their lengths for a synthetic rollout."""
+    """Per-token features, 0/1 loss masks and their lengths for a synthetic rollout: full
+    masks, excluded samples, scattered zeros and multi-turn masks (runs of model and
+    environment tokens, so holes inside the response)."""
     gen = torch.Generator().manual_seed(seed)
     responses = torch.randint(1, 12, (num_samples,), generator=gen).tolist()
     prompts = torch.randint(1, 20, (num_samples,), generator=gen).tolist()
@@ -200,6 +216,8 @@ def _step_data(num_samples: int, seed: int):
             masks[i] = torch.zeros(responses[i], dtype=torch.float64)  # excluded sample
         elif i != longest and i % 3 == 2:
             masks[i][torch.rand(responses[i], generator=gen) < 0.4] = 0.0  # e.g. tool tokens
+        elif i != longest and i % 5 == 3:  # tool turns; no draw, so the stream is as before
+            masks[i] = _turns_mask(responses[i], 1 + (i // 5) % 3)
     loss_lengths = [int(m.sum()) for m in masks]
     totals = [p + r for p, r in zip(prompts, responses, strict=True)]
     return feats, masks, totals, loss_lengths
@@ -247,6 +265,9 @@ def test_gradient_is_independent_of_dp_and_micro_geometry(mode):
         dict(dp_size=2, micro_batch_size=4),
         dict(dp_size=3, micro_batch_size=1),
     ]
+    # Every step holds samples whose masks have holes (multi-turn environment tokens).
+    for start in range(0, n, gbs):
+        assert sum(_has_hole(m) for m in masks[start : start + gbs]) >= 2
     for geometry in geometries:
         plan = plan_rollout(totals, loss_lengths, global_batch_size=gbs, **geometry)
         for step in plan.steps:
@@ -266,3 +287,20 @@ def test_per_micro_batch_normalizers_would_change_the_gradient():
     global_grad = _planned_grad(plan, theta0, feats, masks, "token-mean", step)
     local_grad = _planned_grad(plan, theta0, feats, masks, "token-mean", step, global_norms=False)
     assert not torch.allclose(global_grad, local_grad, rtol=1e-3)
+
+
+def test_schedule_normalizers_count_model_tokens_of_multiturn_samples():
+    """``schedule`` plans tool-using samples by their mask-1 tokens: a step's num_tokens is
+    the model tokens (environment tokens inside the response are not counted) and its
+    num_samples leaves out a sample with no model token at all."""
+    masks = [[1, 1, 0, 0, 0, 1], [1, 0, 1, 0, 1, 1, 0], [0, 0, 0], [1, 1, 1, 1]]
+    prompts = [3, 2, 4, 1]
+    tokens = [list(range(p + len(m))) for p, m in zip(prompts, masks, strict=True)]
+    batch = RolloutBatch(tokens, prompts, masks, [0.5, -1.0, 0.3, 1.2])
+    for geometry in (dict(micro_batch_size=1), dict(max_tokens_per_gpu=9)):
+        (step,) = schedule(batch, global_batch_size=4, dp_size=2, **geometry).plan.steps
+        assert step.num_tokens == 3 + 4 + 0 + 4 < sum(len(m) for m in masks)
+        assert step.num_samples == 3
+        assert step.rank_tokens == tuple(
+            sum(len(tokens[i]) for mb in rank for i in mb) for rank in step.micro_batches
+        )
