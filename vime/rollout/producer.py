@@ -8,7 +8,9 @@ each queued on it, a new call admitted the moment one returns, as far as
 the engines serve). Each call's groups are scored as soon as it returns, while the
 others generate, and wait in ``ReadyGroups``; ``take`` hands the trainer the first
 ``--rollout-batch-size`` groups to finish that are at most K versions old. New
-weights reach the engines while they generate (``vime.rollout.step_gate``).
+weights reach the engines while they generate (``vime.rollout.step_gate``). With
+multi-turn rollouts (``vime.rollout.agent``) a call is its groups' turn loop, run in a
+driver thread, every turn on that call's engine.
 
 Data: prompts are drawn from the run's one ``PromptSource`` (each read once per
 epoch). A group filtered out by dynamic sampling is consumed, as in the synchronous
@@ -20,6 +22,7 @@ keeps and a resumed run generates first.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import math
 import threading
 import time
@@ -113,6 +116,14 @@ class RolloutProducer:
         # The last batch's groups: (prompt index, oldest weight version), for checks.
         self.last_taken: list[tuple[int, int]] = []
         self._thread = threading.Thread(target=self._run, name="vime-rollout-producer", daemon=True)
+        # Multi-turn calls run their turn loop in a driver thread each (engine calls are
+        # Ray refs otherwise): every call an engine may have queued.
+        self._agent_threads = None
+        if manager.agent is not None:
+            self._agent_threads = concurrent.futures.ThreadPoolExecutor(
+                max_workers=len(engines.actors) * settings.calls_per_engine,
+                thread_name_prefix="vime-agent",
+            )
 
     # ----- the trainer's side ---------------------------------------------------------------
 
@@ -185,6 +196,8 @@ class RolloutProducer:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        if self._agent_threads is not None:
+            self._agent_threads.shutdown(wait=False, cancel_futures=True)
 
     # ----- the producer's thread ------------------------------------------------------------
 
@@ -197,7 +210,12 @@ class RolloutProducer:
                     with self._cond:
                         self._cond.wait(POLL_S)
                     continue
-                done, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
+                if self._agent_threads is None:
+                    done, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
+                else:
+                    done, _ = concurrent.futures.wait(
+                        refs, timeout=POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
+                    )
                 for ref in done:
                     self._finish(ref)
         except BaseException as err:  # the trainer raises it from take()
@@ -221,9 +239,17 @@ class RolloutProducer:
                     seed = rollout_seed(settings.seed, self.admission.first_rollout, self._calls)
                     params = self.manager.sampling_params(seed)
                     self._calls += 1
-                    ref = self.engines.submit(engine, self.manager.ids(prompts), params)
+                    ref = self._submit(engine, prompts, params)
                     self._in_flight[ref] = _Call(engine, prompts)
                     busy += 1
+
+    def _submit(self, engine: int, prompts: list[Prompt], params: Any) -> Any:
+        """Start one call on ``engine``: a Ray ref, or a future of its multi-turn loop."""
+        ids = self.manager.ids(prompts)
+        if self._agent_threads is None:
+            return self.engines.submit(engine, ids, params)
+        agent = self.manager.agent
+        return self._agent_threads.submit(agent.generate_on, engine, prompts, ids, params)
 
     def _draw(self, n: int) -> list[Prompt]:
         prompts: list[Prompt] = []
@@ -238,7 +264,10 @@ class RolloutProducer:
 
     def _finish(self, ref: Any) -> None:
         call = self._in_flight[ref]
-        (completions,) = wait_all([ref], "generating completions")
+        if self._agent_threads is None:
+            (completions,) = wait_all([ref], "generating completions")
+        else:
+            completions = ref.result()
         groups = self.manager.score(call.prompts, completions)
         warning = self.manager.scorer.failure_warning()
         if warning:

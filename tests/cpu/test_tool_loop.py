@@ -1,0 +1,239 @@
+"""The built-in tool loop (``--tools``) against a scripted engine, in both formats.
+
+Proves, with the real tools, parser, chat template renderer and embedded
+tokenizer (the engine's turns are scripted so every path is reached on purpose):
+a call's answer is appended as environment tokens (mask 0, log-prob 0) exactly
+as the format renders it, and the next turn sees it; every failure (malformed
+call, unknown tool, bad arguments, a tool that raises or times out) becomes text
+the model reads and is counted by kind, never a crash; ``--max-turns`` and the
+response budget cut a trajectory and say so; long answers are truncated to
+``--tool-max-output-tokens``; and ``build_agent`` refuses a chat model without
+``--apply-chat-template`` and ``--tools`` together with a custom function.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from chat_fixtures import TOOLS_PY, chat_tokenizer
+
+from vime.config import parse_args
+from vime.config.errors import ConfigError
+from vime.data.prompts import Prompt
+from vime.data.tasks import CHARSET, LOOKUP_TOOLS, _lookup_table
+from vime.models.embedded import EOS_ID, build_tokenizer
+from vime.rollout.agent import CALLS_PER_SAMPLE, AgentRollouts
+from vime.rollout.tool_loop import ToolLoop, ToolLoopSettings, build_agent
+from vime.rollout.tools import Toolbox, load_tools
+from vime.rollout.types import Completion, SamplingParams
+
+
+class ScriptedEngine:
+    """Answers turn t of sample i with ``script[i][t]`` (text, encoded, then the end of
+    turn), cut to the call's budget; records each turn's context."""
+
+    def __init__(self, tokenizer, script: list[list[str]], eot: int) -> None:
+        self.tokenizer, self.script, self.eot = tokenizer, script, eot
+        self.contexts: dict[tuple[int, int], list[int]] = {}
+
+    def generate(self, prompts, params):
+        out = []
+        for prompt, stream in zip(prompts, params.prompt_indices, strict=True):
+            sample, turn = divmod(stream, CALLS_PER_SAMPLE)
+            self.contexts[sample, turn] = list(prompt)
+            ids = self.tokenizer.encode(self.script[sample][turn], add_special_tokens=False)
+            ids = [*ids, self.eot][: params.max_new_tokens]
+            finish = "stop" if ids and ids[-1] == self.eot else "length"
+            logps = [-1.0 - k for k in range(len(ids))]
+            out.append([Completion(list(prompt), ids, logps, finish)])
+        return out
+
+
+def _run(loop, engine, prompts, budget=64, n=1):
+    rows = [Prompt(index=i, text=t, label=None) for i, t in enumerate(prompts)]
+    tok = loop.tokenizer
+    if getattr(tok, "chat_template", None):
+        ids = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}],
+                tools=loop.toolbox.schemas,
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            for t in prompts
+        ]
+        ids = [tok.encode(t, add_special_tokens=False) for t in ids]
+    else:
+        ids = [tok.encode(t, add_special_tokens=False) for t in prompts]
+    groups = AgentRollouts(loop, engine, budget).generate(rows, ids, SamplingParams(n=n))
+    return [c for g in groups for c in g], ids
+
+
+# ----- the plain format: the embedded tokenizer and the lookup task's tool -------------------
+
+
+@pytest.fixture(scope="module")
+def chars():
+    return build_tokenizer(CHARSET)
+
+
+@pytest.fixture
+def lookup():
+    box = Toolbox(LOOKUP_TOOLS)
+    yield box
+    box.close()
+
+
+def test_plain_call_answer_and_final_turn(chars, lookup) -> None:
+    """``get abc`` runs the tool; its answer then ``=`` is appended untrained; the
+    next turn sees it; the final answer is the last turn."""
+    value = _lookup_table()["abc"]
+    loop = ToolLoop(lookup, chars, ToolLoopSettings(), stop_token_ids=[EOS_ID])
+    engine = ScriptedEngine(chars, [["get abc", value]], EOS_ID)
+    (c,), (prompt,) = _run(loop, engine, ["key abc="])
+    enc = lambda t: chars.encode(t, add_special_tokens=False)  # noqa: E731
+    call, env, answer = [*enc("get abc"), EOS_ID], enc(value + "="), [*enc(value), EOS_ID]
+    assert c.response_ids == call + env + answer
+    assert c.loss_mask == [1] * len(call) + [0] * len(env) + [1] * len(answer)
+    assert all(lp == 0.0 for lp, m in zip(c.log_probs, c.loss_mask, strict=True) if not m)
+    assert engine.contexts[0, 1] == prompt + call + env
+    stats = c.extra["agent"]
+    assert (stats["turns"], stats["tool_calls"], stats["cut"]) == (2, 1, None)
+    assert stats["answer_start"] == len(call) + len(env) and stats["tool_errors"] == {}
+    assert c.finish_reason == "stop"
+
+
+def test_plain_no_call_is_a_final_answer_and_bad_arity_an_error(chars, lookup) -> None:
+    """A turn whose first word is no tool's name answers at once; ``get`` with two
+    words is a bad-arguments error the model reads, counted."""
+    loop = ToolLoop(lookup, chars, ToolLoopSettings(), stop_token_ids=[EOS_ID])
+    engine = ScriptedEngine(chars, [["123"], ["get ab cd", "9"]], EOS_ID)
+    (direct, wrong), _ = _run(loop, engine, ["key abc=", "key abd="], budget=400)
+    assert direct.loss_mask == [1] * 4 and direct.extra["agent"]["tool_calls"] == 0
+    assert wrong.extra["agent"]["tool_errors"] == {"bad_arguments": 1}
+    env = [t for t, m in zip(wrong.response_ids, wrong.loss_mask, strict=True) if not m]
+    # The characters the embedded tokenizer lacks (':', quotes) read as <unk>.
+    assert chars.decode(env, skip_special_tokens=True).startswith("error bad arguments for get")
+
+
+def test_max_turns_and_budget_cut_trajectories(chars, lookup) -> None:
+    """A model still calling at ``--max-turns`` is cut there; one whose next context
+    would leave no room, or whose turn hits the budget, is cut by the budget."""
+    loop = ToolLoop(lookup, chars, ToolLoopSettings(max_turns=2), stop_token_ids=[EOS_ID])
+    calls = ["get abc"] * 5
+    engine = ScriptedEngine(chars, [calls, calls, ["1234567890" * 3]], EOS_ID)
+    (turns, _, budget), _ = _run(loop, engine, ["key abc="] * 3, budget=20)
+    assert turns.extra["agent"]["cut"] == "max_turns" and turns.extra["agent"]["turns"] == 2
+    assert turns.finish_reason == "length" and turns.extra["agent"]["tool_calls"] == 1
+    assert budget.extra["agent"]["cut"] == "budget" and len(budget.response_ids) == 20
+    engine = ScriptedEngine(chars, [calls], EOS_ID)
+    (room,), _ = _run(loop, engine, ["key abc="], budget=11)  # call 8 + answer 4 > 11
+    assert room.extra["agent"]["cut"] == "budget" and room.loss_mask == [1] * 8
+
+
+# ----- the chat format: a Qwen3-style template, JSON calls ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return chat_tokenizer()
+
+
+@pytest.fixture
+def box(tmp_path: Path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(TOOLS_PY)
+    toolbox = load_tools(f"{path}:TOOLS")
+    yield toolbox
+    toolbox.close()
+
+
+def _call(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+def test_chat_every_error_kind_is_read_by_the_model_and_counted(chat, box) -> None:
+    """Malformed JSON, an unknown tool, bad arguments, a raising tool and a timeout:
+    each becomes a tool turn the next generation sees; the run goes on."""
+    eot = chat.convert_tokens_to_ids("<|im_end|>")
+    settings = ToolLoopSettings(max_turns=8, timeout_s=0.3)
+    loop = ToolLoop(box, chat, settings, stop_token_ids=[eot])
+    script = [
+        "<tool_call>\n{not json}\n</tool_call>",
+        _call("nope", "{}"),
+        _call("add", '{"a": 1}'),
+        _call("fail", '{"message": "kaput"}'),
+        _call("nap", '{"seconds": 5}'),
+        _call("add", '{"a": 2, "b": 3}'),
+        "The answer is 5.",
+    ]
+    engine = ScriptedEngine(chat, [script], eot)
+    (c,), _ = _run(loop, engine, ["What is 2 + 3?"], budget=4000)
+    stats = c.extra["agent"]
+    assert stats["tool_errors"] == {
+        "parse": 1,
+        "unknown_tool": 1,
+        "bad_arguments": 1,
+        "raised": 1,
+        "timeout": 1,
+    }
+    assert stats["turns"] == 7 and stats["tool_calls"] == 6 and stats["cut"] is None
+    assert 0.3 <= stats["tool_seconds"] < 3
+    last_context = chat.decode(engine.contexts[0, 6])
+    for seen in ("invalid JSON", "unknown tool 'nope'", "bad arguments for add", "kaput"):
+        assert seen in last_context
+    assert "nap timed out after 0.3 s" in last_context
+    assert "<tool_response>\n5\n</tool_response>" in last_context
+    assert chat.decode(c.response_ids[stats["answer_start"] :]).startswith("The answer is 5.")
+
+
+def test_chat_tool_turns_are_the_template_tail_and_outputs_truncate(chat, box) -> None:
+    """The appended ids are the template's rendering of the tool turn (token in, token
+    out: the model's ids are kept as generated); a long answer is cut to its tokens."""
+    eot = chat.convert_tokens_to_ids("<|im_end|>")
+    settings = ToolLoopSettings(max_output_tokens=3)
+    loop = ToolLoop(box, chat, settings, stop_token_ids=[eot])
+    engine = ScriptedEngine(chat, [[_call("lookup", '{"key": "pi"}'), "Pi."]], eot)
+    (c,), _ = _run(loop, engine, ["What is pi?"], budget=4000)
+    model = [*chat.encode(_call("lookup", '{"key": "pi"}'), add_special_tokens=False), eot]
+    assert c.response_ids[: len(model)] == model
+    env = [t for t, m in zip(c.response_ids, c.loss_mask, strict=True) if not m]
+    text = chat.decode(env)
+    assert text.startswith("\n<|im_start|>user\n<tool_response>\n")
+    assert "…[truncated]" in text and "3.14159" not in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+# ----- build_agent --------------------------------------------------------------------------
+
+
+def test_build_agent_refusals_and_choices(chat, chars, tmp_path: Path) -> None:
+    """A chat model's tools need its template; no agent without --tools or a function;
+    --tools with a custom function is refused while parsing."""
+    path = tmp_path / "gen.py"
+    path.write_text("async def gen(sample, engine):\n    pass\n")
+    with pytest.raises(ConfigError, match="give one"):
+        parse_args(
+            [
+                "--tools",
+                "vime.data.tasks:LOOKUP_TOOLS",
+                "--custom-generate-function-path",
+                f"{path}:gen",
+            ]
+        )
+    box = Toolbox(LOOKUP_TOOLS)
+    args = parse_args(["--tools", "vime.data.tasks:LOOKUP_TOOLS"])
+    with pytest.raises(ConfigError, match="add --apply-chat-template"):
+        build_agent(args, chat, None, box)
+    assert isinstance(build_agent(args, chars, None, box).fn, ToolLoop)
+    assert build_agent(parse_args([]), chars, None, None) is None
+    custom = build_agent(
+        parse_args(["--custom-generate-function-path", f"{path}:gen"]), chars, None, None
+    )
+    assert custom.fn.__name__ == "gen"
+    box.close()
+    with pytest.raises(ConfigError, match="--max-turns must be >= 1"):
+        ToolLoopSettings(max_turns=0)
+    with pytest.raises(ConfigError, match="--tool-timeout must be > 0"):
+        parse_args(["--tools", "vime.data.tasks:LOOKUP_TOOLS", "--tool-timeout", "0"])
