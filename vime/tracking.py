@@ -60,6 +60,8 @@ STALENESS_KEY = "async/staleness_mean"
 # First key present wins; rollout throughput is what a user watches on the console.
 THROUGHPUT_KEYS = ("perf/rollout_tokens_per_s", "perf/tokens_per_s", "perf/train_tokens_per_s")
 EVAL_KEYS = ("eval/reward_mean", "eval/pass@1")
+# Multi-turn rollouts: the share of trajectories that called a tool (train, eval).
+CALLING_KEYS = ("agent/calling_frac", "eval/calling_frac")
 
 # ETA averages this many recent step times: long enough to smooth noise, short
 # enough to follow a run whose steps get slower as responses grow.
@@ -442,8 +444,9 @@ def phase_seconds(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], l
 
 
 def plot_progress(records: list[dict[str, Any]], path: str | os.PathLike[str]) -> str | None:
-    """Draw reward (±std within min/max, eval points), response length and seconds per
-    phase over rollout_id to a PNG.
+    """Draw reward (±std within min/max, eval points), response length (and, for tool
+    use, the share of trajectories calling a tool) and seconds per phase over
+    rollout_id to a PNG.
 
     Uses a bare Figure with the Agg canvas, so neither pyplot's global state nor
     the process-wide backend is touched. Returns the path, or None when there
@@ -479,6 +482,16 @@ def plot_progress(records: list[dict[str, Any]], path: str | os.PathLike[str]) -
     ax_len.plot(lx, ly, color="tab:orange")
     ax_len.set_ylabel("response length (tokens)")
     ax_len.grid(alpha=0.3)
+    cx, cy = _series(records, CALLING_KEYS[0])
+    if cx:
+        ax_calls = ax_len.twinx()
+        ax_calls.plot(cx, cy, color="tab:purple", label="calling a tool")
+        ex, ey = _series(records, CALLING_KEYS[1])
+        if ex:
+            ax_calls.plot(ex, ey, "o", color="tab:purple", label="eval, greedy")
+        ax_calls.set_ylim(-0.02, 1.02)
+        ax_calls.set_ylabel("share of trajectories calling a tool")
+        ax_calls.legend(loc="best", fontsize="small")
 
     for label, (px, py) in phase_seconds(records).items():
         # Eval runs every --eval-interval rollouts: points, not a line through the gaps.

@@ -224,20 +224,19 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> HFEngine:
         torch.set_num_threads(before)
 
 
-def test_model_turns_are_what_the_engine_draws_and_scores(engine: HFEngine) -> None:
+def check_turns_are_the_engines(engine, seed: int, stop: int) -> None:
     """Three turns with environment tokens between them, 2 prompts x 3 samples: every
     model turn equals the engine's own draw for that context and (sample, turn) seed,
     alone in its call, and its log-probs are the engine's scores of it."""
     counts = dict.fromkeys(range(6), 3)
     prompts, ids = _prompts(2)
-    params = SamplingParams(n=3, temperature=1.0, seed=11, stop_token_ids=(EOS,))
+    params = SamplingParams(n=3, temperature=1.0, seed=seed, stop_token_ids=(stop,))
     groups = AgentRollouts(_turns(counts, per_turn=6), engine, budget=30).generate(
         prompts, ids, params
     )
     checked = 0
     for g, group in enumerate(groups):
         for j, c in enumerate(group):
-            sample = g * 3 + j
             mask, resp = c.loss_mask, c.response_ids
             starts = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]
             for turn, start in enumerate(starts):
@@ -245,22 +244,22 @@ def test_model_turns_are_what_the_engine_draws_and_scores(engine: HFEngine) -> N
                 while end < len(mask) and mask[end]:
                     end += 1
                 context = c.prompt_ids + resp[:start]
-                alone = engine.generate(
-                    [context],
-                    SamplingParams(
-                        n=1,
-                        max_new_tokens=6,
-                        seed=11,
-                        stop_token_ids=(EOS,),
-                        prompt_indices=(sample * CALLS_PER_SAMPLE + turn,),
-                    ),
-                )[0][0]
-                assert alone.response_ids == resp[start:end]
-                scores = engine.score(context + resp[start:end], len(context), 1.0)
-                assert (
-                    max(abs(a - b) for a, b in zip(scores, c.log_probs[start:end], strict=True))
-                    < 1e-4
+                alone = SamplingParams(
+                    n=1,
+                    max_new_tokens=6,
+                    seed=seed,
+                    stop_token_ids=(stop,),
+                    prompt_indices=((g * 3 + j) * CALLS_PER_SAMPLE + turn,),
                 )
+                assert engine.generate([context], alone)[0][0].response_ids == resp[start:end]
+                scores = engine.score(context + resp[start:end], len(context), 1.0)
+                diff = max(abs(a - b) for a, b in zip(scores, c.log_probs[start:end], strict=True))
+                assert diff < 1e-4
                 checked += 1
             assert all(lp == 0.0 for lp, m in zip(c.log_probs, mask, strict=True) if not m)
     assert checked == 18
+
+
+def test_model_turns_are_what_the_engine_draws_and_scores(engine: HFEngine) -> None:
+    """Token in, token out on the hf engine (``check_turns_are_the_engines``)."""
+    check_turns_are_the_engines(engine, seed=11, stop=EOS)

@@ -107,7 +107,7 @@ def test_splits_disjoint_sized_and_seeded(name: str) -> None:
     train, held_out = task.make_examples("train", seed=7), task.make_examples("eval", seed=7)
     assert len(held_out) == 100
     assert len({r["prompt"] for r in held_out}) == 100
-    assert len(train) >= 200
+    assert len(train) >= 150  # lookup: 156 keys (its values cannot be memorised for eval)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
     assert task.make_examples("train", seed=7) == train
     other = task.make_examples("train", seed=8)
@@ -163,15 +163,20 @@ def test_lookup_needs_its_tool_and_shapes_the_call() -> None:
     rows = task.make_examples("eval", seed=0)
     for row in rows:
         key, value = row["label"].split()
-        assert row["prompt"] == f"key {key}=" and get(key) == value
+        assert row["prompt"] == f"get {key}=" and get(key) == value
         assert task.is_correct(f" {value}\n", row["label"])
         assert task.reward(f"get {key}<eos>{value}={value}", row["label"]) == 1.0
     key, value = rows[0]["label"].split()
-    other = str((int(value) + 1) % 1000).zfill(3)
+    label = rows[0]["label"]
+    other = "".join("x" if c == "w" else "w" for c in value)  # wrong in every position
     calls = ["x", "g", "ge", "get", f"get {key[0]}", f"get {key}"]
-    scores = [task.reward(f"{c}<eos>{value}={other}", rows[0]["label"]) for c in calls]
+    scores = [task.reward(f"{c}<eos>{value}={other}", label) for c in calls]
     assert scores == sorted(scores) and len(set(scores)) == len(scores) and scores[-1] < 1.0
-    assert task.reward(other, rows[0]["label"]) == 0.0
-    assert get("zzz") == "no key zzz"
+    # Copying what the tool answered earns credit, right key or not; no call, nothing.
+    wrong = "".join("a" if c != "a" else "b" for c in key)
+    copied = task.reward(f"get {wrong}<eos>{get(wrong)}={get(wrong)}", label)
+    assert copied > task.reward(f"get {wrong}<eos>{get(wrong)}=", label)
+    assert task.reward(other, label) == 0.0
+    assert get("zzzz") == "no key zzzz"
     values = [r["label"].split()[1] for r in rows]
-    assert max(values.count(v) for v in values) <= 3  # no constant answer pays
+    assert max(values.count(v) for v in values) <= 0.15 * len(rows)  # no constant pays

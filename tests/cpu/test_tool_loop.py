@@ -88,12 +88,12 @@ def lookup():
 def test_plain_call_answer_and_final_turn(chars, lookup) -> None:
     """``get abc`` runs the tool; its answer then ``=`` is appended untrained; the
     next turn sees it; the final answer is the last turn."""
-    value = _lookup_table()["abc"]
+    value = _lookup_table()["abcd"]
     loop = ToolLoop(lookup, chars, ToolLoopSettings(), stop_token_ids=[EOS_ID])
-    engine = ScriptedEngine(chars, [["get abc", value]], EOS_ID)
-    (c,), (prompt,) = _run(loop, engine, ["key abc="])
+    engine = ScriptedEngine(chars, [["get abcd", value]], EOS_ID)
+    (c,), (prompt,) = _run(loop, engine, ["get abcd="])
     enc = lambda t: chars.encode(t, add_special_tokens=False)  # noqa: E731
-    call, env, answer = [*enc("get abc"), EOS_ID], enc(value + "="), [*enc(value), EOS_ID]
+    call, env, answer = [*enc("get abcd"), EOS_ID], enc(value + "="), [*enc(value), EOS_ID]
     assert c.response_ids == call + env + answer
     assert c.loss_mask == [1] * len(call) + [0] * len(env) + [1] * len(answer)
     assert all(lp == 0.0 for lp, m in zip(c.log_probs, c.loss_mask, strict=True) if not m)
@@ -109,7 +109,7 @@ def test_plain_no_call_is_a_final_answer_and_bad_arity_an_error(chars, lookup) -
     words is a bad-arguments error the model reads, counted."""
     loop = ToolLoop(lookup, chars, ToolLoopSettings(), stop_token_ids=[EOS_ID])
     engine = ScriptedEngine(chars, [["123"], ["get ab cd", "9"]], EOS_ID)
-    (direct, wrong), _ = _run(loop, engine, ["key abc=", "key abd="], budget=400)
+    (direct, wrong), _ = _run(loop, engine, ["get abcd=", "get abdd="], budget=400)
     assert direct.loss_mask == [1] * 4 and direct.extra["agent"]["tool_calls"] == 0
     assert wrong.extra["agent"]["tool_errors"] == {"bad_arguments": 1}
     env = [t for t, m in zip(wrong.response_ids, wrong.loss_mask, strict=True) if not m]
@@ -121,15 +121,15 @@ def test_max_turns_and_budget_cut_trajectories(chars, lookup) -> None:
     """A model still calling at ``--max-turns`` is cut there; one whose next context
     would leave no room, or whose turn hits the budget, is cut by the budget."""
     loop = ToolLoop(lookup, chars, ToolLoopSettings(max_turns=2), stop_token_ids=[EOS_ID])
-    calls = ["get abc"] * 5
+    calls = ["get abcd"] * 5
     engine = ScriptedEngine(chars, [calls, calls, ["1234567890" * 3]], EOS_ID)
-    (turns, _, budget), _ = _run(loop, engine, ["key abc="] * 3, budget=20)
+    (turns, _, budget), _ = _run(loop, engine, ["get abcd="] * 3, budget=24)
     assert turns.extra["agent"]["cut"] == "max_turns" and turns.extra["agent"]["turns"] == 2
     assert turns.finish_reason == "length" and turns.extra["agent"]["tool_calls"] == 1
-    assert budget.extra["agent"]["cut"] == "budget" and len(budget.response_ids) == 20
+    assert budget.extra["agent"]["cut"] == "budget" and len(budget.response_ids) == 24
     engine = ScriptedEngine(chars, [calls], EOS_ID)
-    (room,), _ = _run(loop, engine, ["key abc="], budget=11)  # call 8 + answer 4 > 11
-    assert room.extra["agent"]["cut"] == "budget" and room.loss_mask == [1] * 8
+    (room,), _ = _run(loop, engine, ["get abcd="], budget=12)  # call 9 + answer 4 > 12
+    assert room.extra["agent"]["cut"] == "budget" and room.loss_mask == [1] * 9
 
 
 # ----- the chat format: a Qwen3-style template, JSON calls ---------------------------------
@@ -237,3 +237,14 @@ def test_build_agent_refusals_and_choices(chat, chars, tmp_path: Path) -> None:
         ToolLoopSettings(max_turns=0)
     with pytest.raises(ConfigError, match="--tool-timeout must be > 0"):
         parse_args(["--tools", "vime.data.tasks:LOOKUP_TOOLS", "--tool-timeout", "0"])
+
+
+def test_prompts_show_the_tools_through_the_template(chat, box) -> None:
+    """With --tools and a chat template, prompt ids are rendered with the tools' schemas
+    (what the model must see to call them); without tools, the same template shows none."""
+    from vime.data.prompts import render_prompt
+
+    with_tools = chat.decode(render_prompt("What is pi?", chat, True, box.schemas))
+    plain = chat.decode(render_prompt("What is pi?", chat, True))
+    assert '"name": "lookup"' in with_tools and "<tools>" in with_tools
+    assert "<tools>" not in plain and plain.endswith("<|im_start|>assistant\n")

@@ -32,6 +32,7 @@ from vime.tracking import (
     default_output_dir,
     format_duration,
     phase_seconds,
+    plot_progress,
     read_metrics,
     reward_band,
 )
@@ -240,6 +241,19 @@ def test_time_panel_has_a_series_per_phase_logged() -> None:
     assert list(series) == ["rollout", "train", "sync", "eval"]  # no probe logged
     assert series["rollout"] == ([0, 1, 2, 3], [1.0, 2.0, 3.0, 4.0])
     assert series["eval"] == ([1], [3.0])
+
+
+def test_the_plot_shows_the_share_calling_a_tool(tmp_path: Path) -> None:
+    """A tool run's progress.png adds the share of trajectories calling a tool."""
+    plain = [
+        {"rollout_id": i, "rollout/reward_mean": 0.1 * i, "rollout/response_len_mean": 5.0}
+        for i in range(4)
+    ]
+    tools = [{**r, "agent/calling_frac": 0.2 * r["rollout_id"]} for r in plain]
+    tools[3]["eval/calling_frac"] = 0.9
+    a = Path(plot_progress(plain, tmp_path / "a.png")).read_bytes()
+    b = Path(plot_progress(tools, tmp_path / "b.png")).read_bytes()
+    assert a[:8] == b[:8] == b"\x89PNG\r\n\x1a\n" and a != b
 
 
 def test_context_manager_records_failure(tmp_path: Path) -> None:

@@ -660,3 +660,14 @@ def test_engine_actor_openmp_sleeps_when_idle(
     finally:
         if started:
             ray.shutdown()
+
+
+def test_multi_turn_turns_are_what_the_engine_draws_and_scores(setup: SimpleNamespace) -> None:
+    """Token in, token out on vLLM: each turn of a multi-turn trajectory, environment
+    tokens between, is the engine's own seeded draw for its context, scored alike; the
+    prefix cache (serving each turn's repeated prefix) is on."""
+    from tests.cpu.test_agent import check_turns_are_the_engines
+
+    assert setup.engine._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+
+    check_turns_are_the_engines(setup.engine, seed=3, stop=setup.eos)

@@ -186,27 +186,30 @@ def _build_largest_digit() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
 
 
 # --- lookup: the answer lives only behind a tool -------------------------------
-# Every key (3 letters of 'abcdefgh') holds a random 3-digit value, so a held-out key's
-# value cannot be learned, only looked up: ``get abc`` (the plain tool format of
-# ``vime.rollout.tool_loop``) answers ``412``, appended as ``412=``, and the model
-# then answers ``412``. The label is "<key> <value>".
+# Every key (4 letters of 'abcd', as the reverse task's strings) holds a random value
+# (3 letters of 'wxyz'), so a held-out key's value cannot be learned, only looked up:
+# to the prompt ``get abcd=`` the model calls ``get abcd`` (the plain tool format of
+# ``vime.rollout.tool_loop``), the tool's answer is appended as ``xzw=``, and the
+# model then answers ``xzw``. The label is "<key> <value>".
 
-_LOOKUP_ALPHABET = "abcdefgh"
+_LOOKUP_ALPHABET = "abcd"
+_VALUE_ALPHABET = "wxyz"  # 64 values of 3: guessing one is right 1 time in 64
 _EOS_TEXT = "<eos>"  # how the embedded tokenizer decodes its EOS (vime.models.embedded)
 
 
 @functools.cache
 def _lookup_table() -> dict[str, str]:
     rng = random.Random(f"{_SPLIT_SEED}:lookup:values")
-    keys = ["".join(k) for k in itertools.product(_LOOKUP_ALPHABET, repeat=3)]
-    return {key: f"{rng.randrange(1000):03d}" for key in keys}
+    keys = ["".join(k) for k in itertools.product(_LOOKUP_ALPHABET, repeat=4)]
+    values = ["".join(v) for v in itertools.product(_VALUE_ALPHABET, repeat=3)]
+    return {key: rng.choice(values) for key in keys}
 
 
 def get(key: str) -> str:
     """The value stored under a key.
 
     Args:
-        key: three letters from a to h, e.g. abc
+        key: four letters from a to d, e.g. abcd
     """
     return _lookup_table().get(key, f"no key {key}")
 
@@ -215,7 +218,7 @@ LOOKUP_TOOLS = [get]
 
 
 def _build_lookup() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
-    universe = [(f"key {key}=", f"{key} {value}") for key, value in _lookup_table().items()]
+    universe = [(f"get {key}=", f"{key} {value}") for key, value in _lookup_table().items()]
     return _split_universe(universe, "lookup")
 
 
@@ -243,16 +246,19 @@ class ToolTask(Task):
     def reward(self, response: str, label: str) -> float:
         """``response`` is the trajectory: 1.0 for the right final answer, else
 
-            0.5 * (first turn against the right call) + 0.4 * (answer against the value)
+            0.4 * (first turn against the right call, by matching positions)
+          + 0.4 * (final answer against what the tool answered, as other tasks score)
 
-        by matching positions; the answer counts only after a tool turn."""
+        so calling and copying the tool's answer are learned apart; copying a wrong
+        key's value is right only for that key. Without a call the answer earns 0."""
         key, value = label.split()
         turns = response.split(_EOS_TEXT)
-        answer = turns[-1].rsplit("=", 1)[-1].strip()
-        if answer == value:
+        answer = turns[-1].rsplit("=", 1)[-1]
+        if answer.strip() == value:
             return 1.0
-        call = _positions(turns[0].strip(), f"get {key}")
-        return 0.5 * call + (0.4 * _positions(answer, value) if len(turns) > 1 else 0.0)
+        told = turns[1].split("=", 1)[0].strip() if len(turns) > 1 else ""
+        copied = _positions(answer.strip(), told) if told else 0.0
+        return 0.4 * _positions(turns[0].strip(), f"get {key}") + 0.4 * copied
 
 
 TASKS: dict[str, Task] = {
@@ -281,9 +287,9 @@ TASKS: dict[str, Task] = {
         ),
         ToolTask(
             name="lookup",
-            description="look a key's value up with the get tool: 'key abc=' -> "
-            "'get abc', then '412'",
-            answer_alphabet=string.digits,
+            description="look a key's value up with the get tool: 'get abcd=' -> "
+            "'get abcd', then 'xzw'",
+            answer_alphabet=_VALUE_ALPHABET,
             right_align=False,
             build=_build_lookup,
             tools="vime.data.tasks:LOOKUP_TOOLS",
