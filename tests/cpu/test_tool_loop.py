@@ -122,13 +122,13 @@ def test_max_turns_and_budget_cut_trajectories(chars, lookup) -> None:
     would leave no room, or whose turn hits the budget, is cut by the budget."""
     loop = ToolLoop(lookup, chars, ToolLoopSettings(max_turns=2), stop_token_ids=[EOS_ID])
     calls = ["get abcd"] * 5
-    engine = ScriptedEngine(chars, [calls, calls, ["1234567890" * 3]], EOS_ID)
-    (turns, _, budget), _ = _run(loop, engine, ["get abcd="] * 3, budget=24)
+    engine = ScriptedEngine(chars, [calls, calls, ["1234567890" * 5]], EOS_ID)
+    (turns, _, budget), _ = _run(loop, engine, ["get abcd="] * 3, budget=40)
     assert turns.extra["agent"]["cut"] == "max_turns" and turns.extra["agent"]["turns"] == 2
     assert turns.finish_reason == "length" and turns.extra["agent"]["tool_calls"] == 1
-    assert budget.extra["agent"]["cut"] == "budget" and len(budget.response_ids) == 24
+    assert budget.extra["agent"]["cut"] == "budget" and len(budget.response_ids) == 40
     engine = ScriptedEngine(chars, [calls], EOS_ID)
-    (room,), _ = _run(loop, engine, ["get abcd="], budget=12)  # call 9 + answer 4 > 12
+    (room,), _ = _run(loop, engine, ["get abcd="], budget=12)  # call 9 + answer 9 > 12
     assert room.extra["agent"]["cut"] == "budget" and room.loss_mask == [1] * 9
 
 

@@ -53,8 +53,8 @@ def test_a_tool_run_logs_the_agent_metrics(tool_run: Path) -> None:
         assert not missing, missing
         assert 1 <= r["agent/turns_mean"] <= r["agent/turns_max"] <= 2
         assert 0 <= r["agent/calling_frac"] <= 1
-        # Every trajectory ends by answering, at --max-turns, or at the budget (24).
-        assert r["rollout/response_len_mean"] <= 24
+        # Every trajectory ends by answering, at --max-turns, or at the task's budget.
+        assert r["rollout/response_len_mean"] <= 32
     assert "eval/calling_frac" in rows[1]
 
 

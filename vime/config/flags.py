@@ -557,18 +557,22 @@ def apply_embedded_eval_defaults(args: argparse.Namespace) -> None:
         args.eval_interval = EMBEDDED_EVAL_INTERVAL
 
 
-def apply_embedded_task_defaults(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    """A built-in tool task's response budget (its trajectories hold a call, the tool's
-    answer and the final answer), unless ``--rollout-max-response-len`` was given."""
+def apply_embedded_task_defaults(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> None:
+    """A built-in task's own settings for the embedded run (a tool task's trajectories
+    need a larger token budget and more rollouts), each unless its flag was given."""
     from vime.data.prompts import builtin_task_of  # deferred: it imports vime.config
     from vime.data.tasks import TASKS
 
     name = builtin_task_of(args.prompt_data) if args.prompt_data else None
-    given = any(a.split("=")[0] == "--rollout-max-response-len" for a in argv)
-    if name in TASKS and not given:  # an unknown name is refused, with the flag, later
-        args.rollout_max_response_len = getattr(
-            TASKS[name], "max_response_len", args.rollout_max_response_len
-        )
+    if name not in TASKS:  # an unknown name is refused, with the flag, later
+        return
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    for dest, value in getattr(TASKS[name], "embedded_defaults", ()):
+        flags = next(a.option_strings for a in parser._actions if a.dest == dest)
+        if not given & set(flags):
+            setattr(args, dest, value)
 
 
 def _agent(p: argparse._ArgumentGroup) -> None:

@@ -166,6 +166,6 @@ def parse_args(argv: Sequence[str], *, for_run: bool = False) -> Config:
         raise ConfigError(_explain_unknown(unknown, backend, parser))
     if embedded:
         apply_embedded_eval_defaults(namespace)
-        apply_embedded_task_defaults(namespace, argv)
+        apply_embedded_task_defaults(namespace, parser, argv)
     validate(namespace, for_run=for_run)
     return namespace.freeze()

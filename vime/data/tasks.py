@@ -30,7 +30,7 @@ import random
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from vime.config.errors import ConfigError
 
@@ -193,7 +193,8 @@ def _build_largest_digit() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
 # model then answers ``xzw``. The label is "<key> <value>".
 
 _LOOKUP_ALPHABET = "abcd"
-_VALUE_ALPHABET = "wxyz"  # 64 values of 3: guessing one is right 1 time in 64
+_VALUE_ALPHABET = "abcd"
+_VALUE_LENGTH = 8  # 65536 values: none can be guessed
 _EOS_TEXT = "<eos>"  # how the embedded tokenizer decodes its EOS (vime.models.embedded)
 
 
@@ -201,8 +202,7 @@ _EOS_TEXT = "<eos>"  # how the embedded tokenizer decodes its EOS (vime.models.e
 def _lookup_table() -> dict[str, str]:
     rng = random.Random(f"{_SPLIT_SEED}:lookup:values")
     keys = ["".join(k) for k in itertools.product(_LOOKUP_ALPHABET, repeat=4)]
-    values = ["".join(v) for v in itertools.product(_VALUE_ALPHABET, repeat=3)]
-    return {key: rng.choice(values) for key in keys}
+    return {key: "".join(rng.choices(_VALUE_ALPHABET, k=_VALUE_LENGTH)) for key in keys}
 
 
 def get(key: str) -> str:
@@ -233,10 +233,12 @@ def _positions(answer: str, target: str) -> float:
 @dataclass(frozen=True)
 class ToolTask(Task):
     """A task solved by calling ``tools`` (``module:NAME`` for ``--tools``); its reward
-    reads the whole trajectory, and it needs ``max_response_len`` tokens for one."""
+    reads the whole trajectory. ``embedded_defaults`` (flag dest -> value) replace the
+    embedded default run's where the user gave no value: a trajectory's token budget,
+    the rollouts it takes to learn."""
 
     tools: str = ""
-    max_response_len: int = 16
+    embedded_defaults: tuple[tuple[str, Any], ...] = ()
     reads_trajectory: ClassVar[bool] = True
 
     def is_correct(self, response: str, label: str) -> bool:
@@ -246,18 +248,19 @@ class ToolTask(Task):
     def reward(self, response: str, label: str) -> float:
         """``response`` is the trajectory: 1.0 for the right final answer, else
 
-            0.4 * (first turn against the right call, by matching positions)
-          + 0.4 * (final answer against what the tool answered, as other tasks score)
+            0.4 * (first turn against the right call)
+          + 0.4 * (final answer against what the tool answered)
 
-        so calling and copying the tool's answer are learned apart; copying a wrong
-        key's value is right only for that key. Without a call the answer earns 0."""
+        by matching positions, so the call and copying the tool's answer are learned
+        apart; copying a wrong key's value is right only for that key. (A bonus for
+        any call was tried: the policy settled on a bare ``get``.)"""
         key, value = label.split()
         turns = response.split(_EOS_TEXT)
-        answer = turns[-1].rsplit("=", 1)[-1]
-        if answer.strip() == value:
+        answer = turns[-1].rsplit("=", 1)[-1].strip()
+        if answer == value:
             return 1.0
         told = turns[1].split("=", 1)[0].strip() if len(turns) > 1 else ""
-        copied = _positions(answer.strip(), told) if told else 0.0
+        copied = _positions(answer, told) if told else 0.0
         return 0.4 * _positions(turns[0].strip(), f"get {key}") + 0.4 * copied
 
 
@@ -293,7 +296,11 @@ TASKS: dict[str, Task] = {
             right_align=False,
             build=_build_lookup,
             tools="vime.data.tasks:LOOKUP_TOOLS",
-            max_response_len=24,
+            embedded_defaults=(
+                # The call (9 tokens), the tool's answer (9) and the final answer (9).
+                ("rollout_max_response_len", 32),
+                ("num_rollout", 500),
+            ),
         ),
     )
 }

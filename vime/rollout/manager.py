@@ -140,7 +140,7 @@ class RolloutManager:
                 self.warn(f"vime: {where}: {warning}")
             rounds += 1
             for group in groups:
-                generated_tokens += sum(len(c.response_ids) for c in group.completions)
+                generated_tokens += sum(c.generated for c in group.completions)
                 failures += sum(r is None for r in group.rewards)
                 if args.dynamic_sampling_filter and _all_agree(group.rewards):
                     agreeing.append(group)
@@ -368,9 +368,7 @@ def agent_metrics(completions: Sequence[Completion]) -> dict[str, float]:
     stats = [_agent(c) for c in completions]
     turns = [s.get("turns", 1) for s in stats]
     calls = [s.get("tool_calls", 0) for s in stats]
-    model = [
-        sum(c.loss_mask) if c.loss_mask is not None else len(c.response_ids) for c in completions
-    ]
+    model = [c.generated for c in completions]
     env = [len(c.response_ids) - m for c, m in zip(completions, model, strict=True)]
     metrics = {
         "agent/turns_mean": _mean(turns),

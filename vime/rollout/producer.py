@@ -276,7 +276,7 @@ class RolloutProducer:
             del self._in_flight[ref]
             for group in groups:
                 self._counts["failures"] += sum(r is None for r in group.rewards)
-                self._counts["tokens"] += sum(len(c.response_ids) for c in group.completions)
+                self._counts["tokens"] += sum(c.generated for c in group.completions)
                 if self.settings.dynamic_sampling_filter and _all_agree(group.rewards):
                     self.admission.discard()
                     self._counts["filtered"] += 1

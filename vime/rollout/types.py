@@ -83,6 +83,11 @@ class Completion:
     # environment appended (a multi-turn trajectory's tool turns). None: all the model's.
     loss_mask: list[int] | None = None
 
+    @property
+    def generated(self) -> int:
+        """Tokens the engine generated (the environment's left out)."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
 
 class RolloutEngine(Protocol):
     """The contract the rollout manager relies on."""
