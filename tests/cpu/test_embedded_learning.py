@@ -31,20 +31,26 @@ import pytest
 ENGINE = os.environ.get("VIME_TEST_ROLLOUT_ENGINE", "hf")
 
 
-@pytest.mark.slow
-def test_embedded_default_learns_string_reversal(tmp_path: Path) -> None:
+def _run(tmp_path: Path, *flags: str) -> tuple[Path, list[dict]]:
+    """``vime-train`` as a user runs it, with ``flags``; its output folder and metrics."""
     script = Path(sys.executable).with_name("vime-train")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
     out = tmp_path / "run"
     result = subprocess.run(
-        [*command, "--rollout-engine", ENGINE, "--output-dir", str(out)],
+        [*command, *flags, "--output-dir", str(out)],
         capture_output=True,
         text=True,
-        timeout=1500,
+        timeout=1800,
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-5000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, rows
+
+
+@pytest.mark.slow
+def test_embedded_default_learns_string_reversal(tmp_path: Path) -> None:
+    out, rows = _run(tmp_path, "--rollout-engine", ENGINE)
     rewards = [r["rollout/reward_mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     summary = json.loads((out / "summary.json").read_text())
@@ -59,18 +65,7 @@ def test_embedded_default_learns_string_reversal(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_lookup_task_learns_to_call_its_tool(tmp_path: Path) -> None:
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
-    out = tmp_path / "run"
-    result = subprocess.run(
-        [*command, "--prompt-data", "builtin:lookup", "--output-dir", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-5000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    out, rows = _run(tmp_path, "--prompt-data", "builtin:lookup")
     assert len(rows) == 500  # the task's own default
     calling = [r["agent/calling_frac"] for r in rows]
     first, last = sum(calling[:10]) / 10, sum(calling[-10:]) / 10
