@@ -5,7 +5,7 @@ on ``builtin:lookup`` implies its tool, logs the agent metrics every rollout and
 fraction of held-out trajectories that call the tool; a run resumed from its
 checkpoint redoes the next rollout exactly (same trajectories, rewards, loss); and
 with ``--max-staleness 1`` the same trajectories are generated asynchronously,
-at most one version old.
+at most one version old; and the loop runs on vLLM too.
 """
 
 from __future__ import annotations
@@ -88,3 +88,19 @@ def test_tools_compose_with_the_asynchronous_producer(tmp_path: Path) -> None:
     for r in rows:
         assert r["async/staleness_max"] <= 1
         assert 1 <= r["agent/turns_mean"] <= 2 and "agent/tool_calls" in r
+
+
+def test_the_tool_loop_runs_on_vllm(tmp_path: Path) -> None:
+    """The same tool run with vLLM as the engine (where vLLM imports): turn after turn as
+    token ids, trained and synced, the agent metrics logged."""
+    pytest.importorskip("vllm")
+    _train(
+        *LOOKUP,
+        *("--rollout-engine", "vllm", "--num-rollout", "2", "--output-dir", str(tmp_path / "o")),
+        cwd=tmp_path,
+    )
+    rows = _metrics(tmp_path / "o")
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    for r in rows:
+        assert not [k for k in AGENT if k not in r]
+        assert r["weights/probe_logprob_abs_diff"] < 1e-4
