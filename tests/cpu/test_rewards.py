@@ -268,6 +268,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, len(body["response"]) + body["label"])
         elif self.path == "/object":
             self._reply(200, {"reward": body["metadata"]["w"]})
+        elif self.path == "/trajectory":
+            self._reply(200, len(body["trajectory"]))
         elif self.path == "/flaky":
             self._reply(500, "busy") if hits <= 2 else self._reply(200, 1.5)
         elif self.path == "/bad":
@@ -312,6 +314,9 @@ def test_remote_number_and_object_replies(server) -> None:
     samples = [RewardInput("p", "abc", 2, {"w": 0.25}, 0), RewardInput("p", "a", 10, {}, 0)]
     assert _remote(_url(server, "/number")).score_sync(samples) == [5.0, 11.0]
     assert _remote(_url(server, "/object")).score_sync(samples[:1]) == [0.25]
+    # A multi-turn sample's whole trajectory goes along with its final answer.
+    turns = RewardInput("p", "42", None, {}, 0, trajectory="call<eos>answer=42")
+    assert _remote(_url(server, "/trajectory")).score_sync([turns]) == [18.0]
 
 
 def test_remote_retries_5xx_until_success(server) -> None:

@@ -8,7 +8,7 @@ the flags by :func:`build_reward_scorer`; config validation calls
 start-up, not after the first generation. In order of precedence:
 
 ``--rm-url URL``
-    POST ``{"prompt", "response", "label", "metadata"}`` (JSON) per sample;
+    POST ``{"prompt", "response", "label", "metadata", "trajectory"}`` (JSON) per sample;
     the answer is a JSON number or ``{"reward": number}``. Connection errors,
     timeouts, 5xx and 429 are retried ``--rm-max-retries`` times with
     exponential backoff; any other 4xx fails at once.
@@ -277,6 +277,7 @@ class _RemoteReward:
             "response": sample.response,
             "label": sample.label,
             "metadata": sample.metadata,
+            "trajectory": sample.trajectory,
         }
         body = json.dumps(payload, default=str).encode()
         last = ""
