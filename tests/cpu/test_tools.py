@@ -286,6 +286,20 @@ def test_parse_no_call_calls_and_argument_strings() -> None:
     assert parse_tool_calls(thinking) == []
 
 
+def test_parse_llama3_json_calls() -> None:
+    """Llama 3.x calls a tool with a turn that is one JSON object (``parameters``),
+    optionally after ``<|python_tag|>``; JSON that names no call is an answer."""
+    call = ToolCall("add", {"a": 2, "b": 3})
+    assert parse_tool_calls('{"name": "add", "parameters": {"a": 2, "b": 3}}') == [call]
+    assert parse_tool_calls('<|python_tag|>{"name": "add", "arguments": {"a": 2, "b": 3}}') == [
+        call
+    ]
+    assert parse_tool_calls('{"name": "Ada", "age": 36}') == []
+    assert parse_tool_calls("{not json}") == []
+    bad = parse_tool_calls('{"name": "add", "parameters": 3}')
+    assert isinstance(bad, ParseError) and "must be a JSON object" in bad.message
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

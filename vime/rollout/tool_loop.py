@@ -9,7 +9,8 @@ model generates again -- until it answers, ``max_turns`` model turns were taken,
 the response budget (``--rollout-max-response-len``, env tokens included) is spent.
 
 Two formats: ``chat`` renders tool turns with the checkpoint's chat template and
-parses ``<tool_call>{json}</tool_call>`` (Qwen, Hermes); ``plain``, for a tokenizer
+parses ``<tool_call>{json}</tool_call>`` (Qwen, Hermes) or a bare JSON call turn
+(Llama 3.x); ``plain``, for a tokenizer
 without a template (the embedded model's characters), reads a turn ``name arg ...``
 whose first word is a tool's name as a call with positional arguments, and appends
 the answer text followed by ``=`` (the built-in tasks' prompt end).

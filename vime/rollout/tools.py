@@ -261,10 +261,13 @@ def _one_line(text: str) -> str:
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_CLOSE = "</think>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
 
 
 def parse_tool_calls(text: str) -> list[ToolCall] | ParseError:
-    """The calls in one generated turn (Qwen/Hermes format), in order.
+    """The calls in one generated turn, in order: Qwen/Hermes ``<tool_call>`` blocks, or
+    a turn that is one JSON object ``{"name": ..., "parameters": {...}}`` (Llama 3.x's
+    JSON tool calling, optionally after ``<|python_tag|>``).
 
     ``[]``: no call, the turn is a final answer. A list: the calls to run.
     :class:`ParseError`: some block is malformed (bad JSON, no ``name``,
@@ -283,7 +286,7 @@ def parse_tool_calls(text: str) -> list[ToolCall] | ParseError:
         if stray != -1 and (open_at == -1 or stray < open_at):
             return ParseError(f"{TOOL_CALL_CLOSE} without {TOOL_CALL_OPEN} (call {len(calls) + 1})")
         if open_at == -1:
-            return calls
+            return calls or _bare_json_call(text)
         body_at = open_at + len(TOOL_CALL_OPEN)
         close_at = text.find(TOOL_CALL_CLOSE, body_at)
         reopen = text.find(TOOL_CALL_OPEN, body_at)
@@ -294,6 +297,24 @@ def parse_tool_calls(text: str) -> list[ToolCall] | ParseError:
             return call
         calls.append(call)
         pos = close_at + len(TOOL_CALL_CLOSE)
+
+
+def _bare_json_call(text: str) -> list[ToolCall] | ParseError:
+    """Llama 3.x's form: the whole turn one JSON object with a name and its parameters;
+    any other text (JSON that names no call included) is an answer."""
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        return []
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return []
+    if not (
+        isinstance(obj, dict) and "name" in obj and ("parameters" in obj or "arguments" in obj)
+    ):
+        return []
+    call = _parse_call(body, 1)
+    return call if isinstance(call, ParseError) else [call]
 
 
 def _parse_call(body: str, n: int) -> ToolCall | ParseError:
@@ -307,7 +328,7 @@ def _parse_call(body: str, n: int) -> ToolCall | ParseError:
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return ParseError(f'tool call {n}: no "name" string; {want}')
-    arguments = obj.get("arguments", {})
+    arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
