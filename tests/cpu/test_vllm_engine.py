@@ -247,6 +247,20 @@ def test_score_matches_transformers(setup: SimpleNamespace) -> None:
         setup.engine.score(ids, 0, 1.0)
 
 
+# Before any test that starts and shuts down another engine: an in-process vLLM
+# engine's shutdown clears vLLM's global parallel state, which this module's engine
+# (the setup fixture) still needs.
+def test_multi_turn_turns_are_what_the_engine_draws_and_scores(setup: SimpleNamespace) -> None:
+    """Token in, token out on vLLM: each turn of a multi-turn trajectory, environment
+    tokens between, is the engine's own seeded draw for its context, scored alike; the
+    prefix cache (serving each turn's repeated prefix) is on."""
+    from tests.cpu.test_agent import check_turns_are_the_engines
+
+    assert setup.engine._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+
+    check_turns_are_the_engines(setup.engine, seed=3, stop=setup.eos)
+
+
 def test_update_weights_serves_new_model(setup: SimpleNamespace) -> None:
     engine = setup.engine
     block = engine._llm.llm_engine.vllm_config.cache_config.block_size
@@ -660,14 +674,3 @@ def test_engine_actor_openmp_sleeps_when_idle(
     finally:
         if started:
             ray.shutdown()
-
-
-def test_multi_turn_turns_are_what_the_engine_draws_and_scores(setup: SimpleNamespace) -> None:
-    """Token in, token out on vLLM: each turn of a multi-turn trajectory, environment
-    tokens between, is the engine's own seeded draw for its context, scored alike; the
-    prefix cache (serving each turn's repeated prefix) is on."""
-    from tests.cpu.test_agent import check_turns_are_the_engines
-
-    assert setup.engine._llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
-
-    check_turns_are_the_engines(setup.engine, seed=3, stop=setup.eos)

@@ -187,10 +187,12 @@ class LockStep:
             for (_, _, max_new, future), (completion,) in zip(batch, out, strict=True):
                 future.set_result(_cut_to(completion, max_new))
         except BaseException as err:
+            # The samples waiting on this call raise it; a cancellation also ends the task.
             for *_, future in batch:
                 if not future.done():
                     future.set_exception(err)
-            raise
+            if not isinstance(err, Exception):
+                raise
         finally:
             self._flushing = None
         self._maybe_flush()
