@@ -13,6 +13,7 @@ response budget cut a trajectory and say so; long answers are truncated to
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -210,10 +211,15 @@ def test_chat_tool_turns_are_the_template_tail_and_outputs_truncate(chat, box) -
 
 def test_build_agent_refusals_and_choices(chat, chars, tmp_path: Path) -> None:
     """A chat model's tools need its template; no agent without --tools or a function;
-    --tools with a custom function is refused while parsing."""
+    --tools with a custom function is refused while parsing (each refusal its whole
+    line); --max-turns, --tool-timeout and --tool-max-output-tokens reach the loop."""
     path = tmp_path / "gen.py"
     path.write_text("async def gen(sample, engine):\n    pass\n")
-    with pytest.raises(ConfigError, match="give one"):
+    both = (
+        "--tools and --custom-generate-function-path both generate the trajectories; "
+        "give one (a custom function can run tools itself)"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(both)}$"):
         parse_args(
             [
                 "--tools",
@@ -224,18 +230,26 @@ def test_build_agent_refusals_and_choices(chat, chars, tmp_path: Path) -> None:
         )
     box = Toolbox(LOOKUP_TOOLS)
     args = parse_args(["--tools", "vime.data.tasks:LOOKUP_TOOLS"])
-    with pytest.raises(ConfigError, match="add --apply-chat-template"):
+    template = (
+        "--tools vime.data.tasks:LOOKUP_TOOLS: the model reads the tools through its chat "
+        "template; add --apply-chat-template"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(template)}$"):
         build_agent(args, chat, None, box)
     assert isinstance(build_agent(args, chars, None, box).fn, ToolLoop)
+    limits = ["--max-turns", "3", "--tool-timeout", "2.5", "--tool-max-output-tokens", "5"]
+    tuned = parse_args(["--tools", "vime.data.tasks:LOOKUP_TOOLS", *limits])
+    assert build_agent(tuned, chars, None, box).fn.settings == ToolLoopSettings(3, 2.5, 5)
+    assert build_agent(tuned, chars, None, box).budget == tuned.rollout_max_response_len
     assert build_agent(parse_args([]), chars, None, None) is None
     custom = build_agent(
         parse_args(["--custom-generate-function-path", f"{path}:gen"]), chars, None, None
     )
     assert custom.fn.__name__ == "gen"
     box.close()
-    with pytest.raises(ConfigError, match="--max-turns must be >= 1"):
+    with pytest.raises(ConfigError, match=r"^--max-turns must be >= 1, got 0$"):
         ToolLoopSettings(max_turns=0)
-    with pytest.raises(ConfigError, match="--tool-timeout must be > 0"):
+    with pytest.raises(ConfigError, match=r"^--tool-timeout must be > 0 seconds, got 0.0$"):
         parse_args(["--tools", "vime.data.tasks:LOOKUP_TOOLS", "--tool-timeout", "0"])
 
 
