@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 
 # The pins of pyproject.toml (dev extra included), and what they need that the image lacks.
 PACKAGES=(
-    ray==2.60.0 megatron-core==0.16.1 transformers==5.19.0
+    ray==2.60.0 megatron-core==0.16.1 transformers==5.19.0 peft==0.21.2
     jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 )
 PLATFORMS=(manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_24_x86_64 manylinux_2_28_x86_64)

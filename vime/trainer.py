@@ -55,6 +55,7 @@ from vime.rollout.tool_loop import build_agent
 from vime.rollout.tools import load_tools
 from vime.step_timing import StepTiming
 from vime.tracking import Tracker, default_output_dir, quiet_library_progress_bars
+from vime.weights.lora import EngineLora, LoraSettings
 
 EMBEDDED_MODEL_DIR = "embedded_model"
 TRACE_FILE = "trace.json"
@@ -184,6 +185,9 @@ class Run:
             "gpu_memory_utilization": args.rollout_gpu_memory_utilization,
             "tiny_model": self.embedded,  # auto gives it the faster engine (resolve_engine)
         }
+        lora = LoraSettings.from_args(args)
+        if lora.enabled:  # the engines merge adapter-only syncs into their base
+            engine_options["lora"] = EngineLora(lora.scale, args.update_weight_buffer_size)
         self.turns = DeviceTurns(
             self.train_group,
             lambda: EngineGroup(
@@ -324,6 +328,10 @@ class Run:
             self.turns.train()
             self.train_group.export_hf(args.save_hf)
             summary["save_hf"] = args.save_hf
+        if args.save_hf_merged:
+            self.turns.train()
+            self.train_group.export_hf(args.save_hf_merged, merged=True)
+            summary["save_hf_merged"] = args.save_hf_merged
         summary["status"] = "done"
         summary["plot"] = self.tracker.finish(summary)
         return summary

@@ -79,6 +79,19 @@ def make_multiturn_batch(rollout_id: int, n: int = 8) -> RolloutBatch:
     return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
 
 
+def make_schedule(args: Any, rollout_id: int, dp: int, **batch_kw: Any) -> Any:
+    """``make_batch(rollout_id)`` planned as ``args`` train it on ``dp`` replicas."""
+    from vime.data.batch import schedule
+
+    return schedule(
+        make_batch(rollout_id, **batch_kw),
+        global_batch_size=args.global_batch_size,
+        dp_size=dp,
+        micro_batch_size=args.micro_batch_size,
+        rollout_id=rollout_id,
+    )
+
+
 def has_interior_hole(mask: list[int]) -> bool:
     """True when a 0 sits between two 1s (an environment run inside the response)."""
     return "0" in "".join(str(int(m)) for m in mask).strip("0")

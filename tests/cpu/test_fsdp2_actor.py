@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_harness import VOCAB, actor_args, make_batch, spawn
+from actor_harness import VOCAB, actor_args, make_batch, make_schedule, spawn
 from tiny_models import save_tiny, tiny_llama_config, tiny_qwen2_config, tiny_qwen3_config
 
 from vime.backends.optim import LRSchedule
@@ -93,19 +93,9 @@ def _full_weights(actor) -> dict[str, torch.Tensor]:
     return {n: t.clone() for bucket in actor.weight_buckets(1 << 30) for n, t in bucket}
 
 
-def _sched(args, rollout_id: int, dp: int, **kw):
-    return schedule(
-        make_batch(rollout_id, **kw),
-        global_batch_size=args.global_batch_size,
-        dp_size=dp,
-        micro_batch_size=args.micro_batch_size,
-        rollout_id=rollout_id,
-    )
-
-
 def scenario_train(actor, args, start, count: int = 2):
     rollouts = range(start, start + count)
-    metrics = [actor.train(_sched(args, rid, actor.world)) for rid in rollouts]
+    metrics = [actor.train(make_schedule(args, rid, actor.world)) for rid in rollouts]
     return {"weights": _full_weights(actor), "metrics": metrics, "start": start}
 
 
@@ -129,7 +119,7 @@ def scenario_train4(actor, args, start):
     actor.model.register_forward_pre_hook(count)
     result = scenario_train(actor, args, start, count=4)
     micro = [
-        sum(len(m) for m in _sched(args, rid, actor.world).plan.for_rank(actor.dp_rank))
+        sum(len(m) for m in make_schedule(args, rid, actor.world).plan.for_rank(actor.dp_rank))
         for rid in range(start, start + 4)
     ]
     return {**result, "passes": passes, "forwards": forwards[0], "micro_per_pass": micro}
@@ -145,7 +135,7 @@ def _decay_groups(actor) -> list[tuple[float, set[str]]]:
 
 
 def scenario_logprobs_and_grad(actor, args, start):
-    sched = _sched(args, 0, actor.world)
+    sched = make_schedule(args, 0, actor.world)
     ref = actor.compute_log_probs(sched, "ref")
     own = actor.compute_log_probs(sched, "actor")
     import torch.distributed as dist
@@ -221,13 +211,13 @@ def scenario_train_from1(actor, args, start):
 
 def _packed_row(args, world):
     """The first micro-batch of rollout 1 as one packed row (several samples)."""
-    sched = _sched(args, 1, world)
+    sched = make_schedule(args, 1, world)
     indices = next(iter(sched.plan.steps[0].for_rank(0)))
     return sched.batch.pack(indices)
 
 
 def scenario_export(actor, args, start):
-    actor.train(_sched(args, 0, actor.world))
+    actor.train(make_schedule(args, 0, actor.world))
     actor.export_hf(args.save_hf)
     with torch.no_grad():
         logits = actor.model(**_packed_row(args, actor.world).model_inputs()).logits
@@ -235,7 +225,7 @@ def scenario_export(actor, args, start):
 
 
 def scenario_dtypes(actor, args, start):
-    actor.train(_sched(args, 0, actor.world))
+    actor.train(make_schedule(args, 0, actor.world))
     actor.export_hf(args.save_hf)
     buckets = {n: t.dtype for bucket in actor.weight_buckets(1 << 16) for n, t in bucket}
     return {"master": {p.dtype for p in actor.params}, "buckets": buckets}
@@ -303,7 +293,7 @@ def test_logprobs_gradient_and_reference_swap(arch, hf_dir, llama_dir, qwen2_dir
         mask = torch.tensor(batch.loss_masks[i], dtype=torch.bool)
         torch.testing.assert_close(logp[mask], expected[mask], atol=1e-5, rtol=0)
     assert len(got["logp"]) == len(batch)
-    step0 = _sched(args, 0, 2).plan.steps[0].sample_indices
+    step0 = make_schedule(args, 0, 2).plan.steps[0].sample_indices
     _reference_loss(model, batch, step0, args).backward()
     ref_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters()))
     assert ref_norm > 1e-3, "reference gradient is zero: the comparison would prove nothing"

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_harness import VOCAB, actor_args, make_batch, spawn
+from actor_harness import VOCAB, actor_args, make_batch, make_schedule, spawn
 from tiny_models import save_tiny, tiny_llama_config, tiny_qwen3_config
 
 pytest.importorskip("megatron.core")
@@ -113,16 +113,6 @@ def _dp(actor) -> int:
     return getattr(actor, "dp_size", actor.world)
 
 
-def _sched(args, rollout_id: int, dp: int):
-    return schedule(
-        make_batch(rollout_id),
-        global_batch_size=args.global_batch_size,
-        dp_size=dp,
-        micro_batch_size=args.micro_batch_size,
-        rollout_id=rollout_id,
-    )
-
-
 def _full_weights(actor) -> dict[str, torch.Tensor]:
     return {n: t.clone() for bucket in actor.weight_buckets(1 << 16) for n, t in bucket}
 
@@ -146,8 +136,8 @@ def scenario_align(actor, args, start):
     import torch.distributed as dist
 
     dp = _dp(actor)
-    metrics0 = actor.train(_sched(args, 0, dp))
-    sched = _sched(args, 1, dp)
+    metrics0 = actor.train(make_schedule(args, 0, dp))
+    sched = make_schedule(args, 1, dp)
     ref = actor.compute_log_probs(sched, "ref")
     old = actor.compute_log_probs(sched, "actor")
     all_ref = _all_log_probs(actor, sched, "ref")
@@ -174,7 +164,7 @@ def scenario_align(actor, args, start):
 
 def scenario_train(actor, args, start, count: int = 2):
     rollouts = range(start, start + count)
-    metrics = [actor.train(_sched(args, rid, _dp(actor))) for rid in rollouts]
+    metrics = [actor.train(make_schedule(args, rid, _dp(actor))) for rid in rollouts]
     return {"weights": _full_weights(actor), "metrics": metrics, "start": start}
 
 
@@ -219,7 +209,7 @@ def scenario_load(actor, args, start):
 
 def scenario_export(actor, args, start):
     initial = _full_weights(actor)
-    actor.train(_sched(args, 0, _dp(actor)))
+    actor.train(make_schedule(args, 0, _dp(actor)))
     actor.export_hf(args.save_hf)
     buckets = [[(n, tuple(t.shape)) for n, t in b] for b in actor.weight_buckets(40_000)]
     return {"initial": initial, "weights": _full_weights(actor), "buckets": buckets}
@@ -232,7 +222,7 @@ def scenario_nan(actor, args, start):
     sched = schedule(batch, global_batch_size=8, dp_size=_dp(actor), micro_batch_size=2)
     metrics = actor.train(sched)
     after = _full_weights(actor)
-    clean = actor.train(_sched(args, 1, _dp(actor)))  # nothing of the NaN may linger
+    clean = actor.train(make_schedule(args, 1, _dp(actor)))  # nothing of the NaN may linger
     return {"before": before, "after": after, "metrics": metrics, "clean": clean}
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import random
 from pathlib import Path
 
 import pytest
@@ -27,9 +26,10 @@ import torch.multiprocessing as mp
 
 from vime.weights.transports import free_port
 
+from .fsdp2_harness import fsdp2_args, random_batch, write_qwen3
+
 pytestmark = pytest.mark.gpu
 
-VOCAB = 512
 # bf16 keeps 8 significant bits, so a logit near 1 moves in steps of 2**-7 ~ 0.008; log-probs
 # are taken in fp32 from bf16 logits. Packing changes only kernel tiling and summation order,
 # which flips a few roundings: on CPU bf16 the largest packed-vs-single gap of this model
@@ -47,35 +47,8 @@ OFFLOAD_RTOL = 2**-8
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-    )
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_qwen3_gpu")
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return str(path)
-
-
-def _args(hf: str, *extra: str):
-    from vime.config import parse_args
-
-    return parse_args(
-        [
-            *("--hf-checkpoint", hf, "--prompt-data", "builtin:reverse"),
-            *("--actor-num-gpus-per-node", "1", "--fsdp-param-dtype", "bfloat16"),
-            *("--rollout-batch-size", "4", "--n-samples-per-prompt", "2"),
-            *("--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3"),
-            *extra,
-        ]
-    )
+    return write_qwen3(path, hidden=256, intermediate=512, layers=2, heads=4)
 
 
 def _flash_attn_importable() -> bool:
@@ -84,20 +57,6 @@ def _flash_attn_importable() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _batch(rollout_id: int):
-    from vime.data.batch import RolloutBatch
-
-    rng = random.Random(rollout_id)
-    tokens, prompts, masks = [], [], []
-    for _ in range(8):
-        p, r = rng.randint(4, 12), rng.randint(8, 40)
-        tokens.append([rng.randrange(VOCAB) for _ in range(p + r)])
-        prompts.append(p)
-        masks.append([1] * r)
-    adv = [rng.gauss(0, 1) for _ in range(8)]
-    return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
 
 
 def _schedule(batch, micro_batch_size: int, steps: int = 1):
@@ -141,9 +100,9 @@ def _offload_vs_resident(hf: str) -> dict:
     runs = {}
     for name, extra in (("resident", ()), ("offload", ("--fsdp-cpu-offload",))):
         actor = FSDP2Actor()
-        actor.init(_args(hf, *extra))
+        actor.init(fsdp2_args(hf, *extra))
         metrics = [
-            actor.train(_schedule(_batch(rid), micro_batch_size=2, steps=2)) for rid in (0, 1)
+            actor.train(_schedule(random_batch(rid), micro_batch_size=2, steps=2)) for rid in (0, 1)
         ]
         runs[name] = {
             "metrics": metrics,
@@ -166,8 +125,8 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
     from vime.backends.fsdp2.actor import FSDP2Actor
 
     actor = FSDP2Actor()
-    actor.init(_args(hf))
-    batch = _batch(0)
+    actor.init(fsdp2_args(hf))
+    batch = random_batch(0)
     packed = actor.compute_log_probs(_schedule(batch, micro_batch_size=len(batch)), "actor")
     single = actor.compute_log_probs(_schedule(batch, micro_batch_size=1), "actor")
     leaky = _leaky_log_probs(actor, batch)
@@ -188,7 +147,7 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
     tensors = _state_tensors(actor)
     on_device = all(t.is_cuda for t in tensors)
     restored = all(torch.equal(t.cpu(), s) for t, s in zip(tensors, snapshot, strict=True))
-    metrics = actor.train(_schedule(_batch(1), micro_batch_size=2))
+    metrics = actor.train(_schedule(random_batch(1), micro_batch_size=2))
     after = _state_tensors(actor)
     moved = any(not torch.equal(t.cpu(), s) for t, s in zip(after, snapshot, strict=True))
     attn = actor.model.config._attn_implementation

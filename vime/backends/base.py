@@ -53,13 +53,19 @@ class TrainActor(abc.ABC):
     def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
         """Yield the full weights as lists of ``(hf_name, tensor)`` under ``bucket_bytes``."""
 
+    def sync_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+        """What a weight sync sends (a collective, as ``weight_buckets``): the full
+        weights, unless a backend sends less (LoRA: the adapters, after the base once)."""
+        return self.weight_buckets(bucket_bytes)
+
     @abc.abstractmethod
     def save(self, rollout_id: int) -> None:
         """Write ``iter_{rollout_id:07d}`` atomically and then the tracker file."""
 
     @abc.abstractmethod
-    def export_hf(self, path: str) -> None:
-        """Write an HF folder (safetensors, config, tokenizer) of the current weights."""
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        """Write an HF folder (safetensors, config, tokenizer) of the current weights
+        (LoRA: a PEFT adapter folder, unless ``merged`` asks for the full model)."""
 
     def sleep(self, tags: Sequence[str] | None = None) -> None:  # noqa: B027 - no-op default
         """Free accelerator memory between phases: the ``TRAIN_MEMORY_TAGS`` parts named,

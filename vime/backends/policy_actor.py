@@ -25,7 +25,8 @@ from __future__ import annotations
 import abc
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,9 @@ class PolicyTrainActor(TrainActor):
     # Samples of one prompt share its tokens in a row (vime.data.micro_batch): only for an
     # attention that reads such rows (varlen_sdpa), set in init.
     shares_prompts: bool = False
+    # The model itself can compute as the KL reference (LoRA: adapters off), set in init
+    # before _setup_training: no host copy of the initial weights is kept then.
+    reference_in_model: bool = False
 
     # ----- backend hooks -------------------------------------------------------------------
 
@@ -136,8 +140,10 @@ class PolicyTrainActor(TrainActor):
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self._asleep: dict[str, HostStash] = {}  # TRAIN_MEMORY_TAGS part -> its stash
-        # The reference model is the initial weights, kept as host copies of this rank's shards.
-        self.ref_shards = self._host_copies() if args.use_kl_loss else None
+        # The reference model is the initial weights, kept as host copies of this rank's shards
+        # (unless the model computes as its reference by itself).
+        copies = args.use_kl_loss and not self.reference_in_model
+        self.ref_shards = self._host_copies() if copies else None
 
     def _make_optimizer(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> Any:
         """AdamW over ``named_params`` in Megatron's decay groups (a backend may bring its
@@ -194,6 +200,18 @@ class PolicyTrainActor(TrainActor):
                 local.copy_(value)
                 value.copy_(staged)
 
+    @contextmanager
+    def _as_reference(self) -> Iterator[None]:
+        """Inside the block the model computes as the KL reference: the initial weights
+        swapped in from their host copies, and swapped back out after."""
+        if self.ref_shards is None:
+            raise ValueError("no reference model: KL loss is off")
+        self._exchange(self.ref_shards)  # the reference in; the actor parked in its place
+        try:
+            yield
+        finally:
+            self._exchange(self.ref_shards)
+
     def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
         return batch.pack(
             indices, pad_to_multiple_of=self.row_multiple, share_prompts=self.shares_prompts
@@ -242,22 +260,17 @@ class PolicyTrainActor(TrainActor):
         if which not in ("actor", "ref"):
             raise ValueError(f"which must be 'actor' or 'ref', got {which!r}")
         self._check_awake("weights")  # a forward: gradients and optimizer state may sleep
-        if which == "ref":
-            if self.ref_shards is None:
-                raise ValueError("no reference model: KL loss is off")
-            self._exchange(self.ref_shards)  # the reference in; the actor parked in its place
+        if which == "ref" and not self.args.use_kl_loss:
+            raise ValueError("no reference model: KL loss is off")
         out: PerSample = {}
 
         def record(indices: tuple[int, ...], packed: Any, logp: torch.Tensor, _: Any) -> None:
             for row, i in enumerate(indices):
                 out[i] = logp[row, : int(packed.response_lengths[row])].cpu()
 
-        try:
+        with self._as_reference() if which == "ref" else nullcontext():
             for micro_batches in schedule.plan.for_rank(self.dp_rank):
                 self._run_micro_batches(schedule.batch, micro_batches, record, backward=False)
-        finally:
-            if which == "ref":
-                self._exchange(self.ref_shards)
         return out
 
     # ----- train ---------------------------------------------------------------------------
@@ -439,7 +452,9 @@ class PolicyTrainActor(TrainActor):
         dtype = getattr(self.hf_config, "dtype", None) or torch.float32
         return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
-    def export_hf(self, path: str) -> None:
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        """Write the model at ``path`` as an HF folder (``merged``: always the full
+        weights, even where a backend exports less, such as LoRA's adapter folder)."""
         buckets = self.weight_buckets(self.args.update_weight_buffer_size)
         if self.rank != 0:
             for _ in buckets:  # take part in the gathers; rank 0 writes

@@ -28,6 +28,8 @@ class BackendSpec:
     actor: str
     add_flags: str
     validate: str
+    # Trains LoRA adapters (--lora-rank); a backend without them is refused at start-up.
+    lora: bool = False
 
 
 BACKENDS: dict[str, BackendSpec] = {
@@ -39,6 +41,7 @@ BACKENDS: dict[str, BackendSpec] = {
             actor="vime.backends.fsdp2.actor:FSDP2Actor",
             add_flags="vime.backends.fsdp2.flags:add_flags",
             validate="vime.backends.fsdp2.flags:validate",
+            lora=True,
         ),
         BackendSpec(
             name="megatron",

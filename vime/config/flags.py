@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from vime.config.lora_flags import add_lora_flags
 from vime.rollout import registry as engine_registry
 
 # The engines' names and their own flags come from vime.rollout.registry (no torch
@@ -455,7 +456,14 @@ def _checkpoint(p: argparse._ArgumentGroup) -> None:
         "--save-hf",
         default=None,
         metavar="DIR",
-        help="write the final model as an HF folder (safetensors)",
+        help="write the final model as an HF folder (safetensors); with --lora-rank, a "
+        "PEFT adapter folder for the base checkpoint",
+    )
+    p.add_argument(
+        "--save-hf-merged",
+        default=None,
+        metavar="DIR",
+        help="write the final model as a full HF folder, LoRA adapters merged in",
     )
 
 
@@ -621,6 +629,7 @@ GROUPS = (
     ("model", "architecture flags (MODEL_ARGS), checked against --hf-checkpoint", _model),
     ("algorithm", "advantages, policy loss, KL, batching", _algorithm),
     ("optimizer", "AdamW and the learning-rate schedule", _optimizer),
+    ("lora", "low-rank adapters, trained in place of every weight", add_lora_flags),
     ("checkpoint", "save, resume and export", _checkpoint),
     ("logging", "metrics and output", _logging),
 )

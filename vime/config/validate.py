@@ -16,6 +16,7 @@ from typing import Any
 from vime.backends import registry
 from vime.config.errors import ConfigError
 from vime.config.flags import BUILTIN_DATA_PREFIX
+from vime.config.lora_flags import check_lora
 from vime.config.model_args import check_model_args_against_checkpoint
 from vime.rollout import registry as engine_registry
 
@@ -45,6 +46,7 @@ def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
     _check_agent(args)
     _check_rewards(args)
     _check_optimizer(args)
+    check_lora(args)
     _check_checkpointing(args)
     _check_logging(args)
 

@@ -30,6 +30,7 @@ from vime.ray.placement import Layout, Placement, label_actor, pin_process, proc
 from vime.ray.transports import transport_class
 from vime.rollout import registry
 from vime.rollout.types import Completion, SamplingParams
+from vime.weights.lora import AdapterMerger, EngineLora
 from vime.weights.update_stream import UpdateStream
 
 # Set in every engine actor's process before it starts. OpenMP (the libgomp that torch
@@ -101,6 +102,10 @@ class EngineActor:
     """One rollout engine in its own process (wrapped by ``ray.remote`` below)."""
 
     def __init__(self, kind: str, checkpoint: str, options: dict[str, Any]) -> None:
+        options = dict(options)
+        # LoRA's adapter-only syncs are merged here, whatever the engine and transport.
+        lora: EngineLora | None = options.pop("lora", None)
+        self._merger = AdapterMerger(lora) if lora is not None else None
         kind, self.reason = registry.resolve_engine(kind, options.get("tiny_model", False))
         self.kind = kind
         threads = options.get("num_threads")
@@ -176,8 +181,14 @@ class EngineActor:
         """A whole set in one update; returns the version served."""
         self._same_threads()
         with profiling.span("update_weights") as info:
-            self.engine.update_weights(_counted(buckets, info), version)
+            self._update(_counted(buckets, info), version)
         return self.engine.weight_version
+
+    def _update(self, buckets: Iterable[list[Any]], version: int) -> None:
+        """The engine's update, adapter-only syncs merged first (``vime.weights.lora``)."""
+        if self._merger is not None:
+            buckets = self._merger.expand(buckets)
+        self.engine.update_weights(buckets, version)
 
     def stream_bucket(self, receive: Callable[[], list[Any]]) -> None:
         """Receive a bucket and hand it to this sync's update (the first bucket starts it;
@@ -186,7 +197,7 @@ class EngineActor:
         self._same_threads()  # the update's own thread starts from this one's
         if self._stream is None:
             version = self.engine.weight_version  # named by finish_update
-            self._stream = UpdateStream(lambda b: self.engine.update_weights(b, version))
+            self._stream = UpdateStream(lambda b: self._update(b, version))
         try:
             with profiling.span("receive_bucket") as info:
                 self._stream.put(next(_counted([receive()], info)))
@@ -200,7 +211,7 @@ class EngineActor:
         """End the sync: the update checks the set is complete, then serves ``version``."""
         stream, self._stream = self._stream, None
         if stream is None:  # no bucket came: the engine says what is missing
-            self.engine.update_weights([], version)
+            self._update([], version)
         else:
             stream.finish()
             vime_device.synchronize()  # the update ran on another thread's stream

@@ -5,7 +5,7 @@ holding the backend's ``TrainActor`` (the class the registry names for
 ``--train-backend``); the worker sets the torch.distributed environment before
 the backend initializes, and runs the sending side of the run's weight transport
 (``vime.ray.transports``: rank 0 sends; the other ranks take part in the
-all-gathers of ``weight_buckets``). The loop only calls the group's methods, each
+all-gathers of ``sync_buckets``). The loop only calls the group's methods, each
 of which returns rank 0's answer once every rank has finished, or raises as soon
 as any rank fails.
 
@@ -123,8 +123,8 @@ class TrainWorker:
         return getattr(self.actor, "loaded_extra", {}) or {}
 
     @profiling.timed("export_hf")
-    def export_hf(self, path: str) -> None:
-        self.actor.export_hf(path)
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        self.actor.export_hf(path, merged)
 
     @profiling.timed("sleep")
     def sleep(self, tags: Sequence[str] | None = None) -> None:
@@ -136,9 +136,10 @@ class TrainWorker:
 
     # --- weight transports: each one's sending side (vime.ray.transports) runs here ---
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterable[Any]:
-        """The backend's weights, bucket by bucket: a collective every rank iterates."""
-        return self.actor.weight_buckets(bucket_bytes)
+    def sync_buckets(self, bucket_bytes: int) -> Iterable[Any]:
+        """What a sync sends, bucket by bucket (``TrainActor.sync_buckets``): a collective
+        every rank iterates."""
+        return self.actor.sync_buckets(bucket_bytes)
 
     def open_weight_link(self, transport: str, *args: Any) -> None:
         """Keep what ``transport`` sends through (the broadcast group)."""
@@ -228,8 +229,8 @@ class RayTrainGroup:
         (extra,) = wait_all([self.workers[0].loaded_extra.remote()], "reading the checkpoint")
         return extra
 
-    def export_hf(self, path: str) -> None:
-        self._all(f"exporting to {path}", "export_hf", path)
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        self._all(f"exporting to {path}", "export_hf", path, merged)
 
     def sleep(self, tags: Sequence[str] | None = None) -> None:
         """Every rank frees the ``TRAIN_MEMORY_TAGS`` parts named (all for None)."""

@@ -7,7 +7,7 @@ Each class holds the three parts of one transport, each run in its own process:
 
 - the driver: ``setup`` and ``sync`` (returns the version each engine then serves);
 - every training rank: ``send``, run by ``TrainWorker.send_weights`` (the backend's
-  ``weight_buckets`` is a collective every rank iterates; rank 0 sends), after
+  ``sync_buckets`` is a collective every rank iterates; rank 0 sends), after
   ``open_sender`` where the transport keeps something on the rank;
 - every engine: ``receive``, run by ``EngineActor.receive_weights``, after
   ``open_receiver`` where the transport keeps something on the engine.
@@ -57,7 +57,7 @@ class SendingRank(Protocol):
     rank: int
     weight_link: Any
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterable[Any]: ...
+    def sync_buckets(self, bucket_bytes: int) -> Iterable[Any]: ...
 
 
 class ReceivingEngine(Protocol):
@@ -144,7 +144,7 @@ class ObjectStoreTransport(WeightTransport):
     @classmethod
     def send(cls, rank: SendingRank, settings: Any, engines: list[Any], version: int) -> list[Any]:
         refs = []
-        for bucket in rank.weight_buckets(settings.bucket_bytes):
+        for bucket in rank.sync_buckets(settings.bucket_bytes):
             if rank.rank == 0:
                 refs.append(ray.put(bucket))
         return refs
@@ -194,7 +194,7 @@ class BroadcastTransport(WeightTransport):
     def send(cls, rank: SendingRank, settings: Any, engines: list[Any], version: int) -> None:
         from vime.weights.transports import metadata_of
 
-        for bucket in rank.weight_buckets(settings.bucket_bytes):
+        for bucket in rank.sync_buckets(settings.bucket_bytes):
             if rank.rank != 0:
                 continue
             meta = metadata_of(bucket)
@@ -226,7 +226,7 @@ class CudaIpcTransport(WeightTransport):
         from vime.weights.transports import share_cuda_bucket
 
         engine = engines[rank.rank] if rank.rank < len(engines) else None
-        for bucket in rank.weight_buckets(settings.bucket_bytes):
+        for bucket in rank.sync_buckets(settings.bucket_bytes):
             if engine is not None:
                 ray.get(engine.receive_weights.remote(cls.name, share_cuda_bucket(bucket)))
         if engine is not None:
@@ -253,7 +253,8 @@ class CudaIpcTransport(WeightTransport):
 
 class DiskTransport(WeightTransport):
     """The trainer writes an HF safetensors folder and every engine reloads it (slow, but
-    needs nothing shared except a file system)."""
+    needs nothing shared except a file system). The folder is always a whole model (LoRA
+    merged in): a checkpoint an engine could start from."""
 
     name = "disk"
     settings: DiskSettings
@@ -264,7 +265,7 @@ class DiskTransport(WeightTransport):
 
     def sync(self, version: int) -> list[int]:
         folder = self.settings.folder
-        self.train_group.export_hf(folder)
+        self.train_group.export_hf(folder, merged=True)
         calls = [a.receive_weights.remote(self.name, folder, version) for a in self.engines.actors]
         wait_all(calls, "reloading weights from disk")
         return self.engines.weight_versions()

@@ -20,7 +20,8 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +58,7 @@ def save_hf_folder(
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    final = Path(path).absolute()
-    if final.exists() and not final.is_dir():
-        raise FileExistsError(f"{final} exists and is not a directory")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # A sibling on the same filesystem, so the final rename is a cheap, atomic
-    # directory rename; the dot keeps it out of `ls` and of glob-based loaders.
-    staging = _fresh_sibling(final, "tmp")
-    # Plain mkdir (not mkdtemp's 0700) so the export gets the usual umask
-    # permissions: engines or users under another account must read it.
-    staging.mkdir()
-    try:
+    with staged_folder(path) as staging:
         tie = bool(getattr(config, "tie_word_embeddings", False))
         writer = _ShardWriter(staging, max_shard_bytes)
         for bucket in buckets:
@@ -79,11 +70,30 @@ def save_hf_folder(
         _save_config(config, staging, writer.float_dtypes)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(staging))
+    return Path(path).absolute()
+
+
+@contextmanager
+def staged_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A fresh folder to write ``path``'s contents into; renamed onto ``path`` when the
+    block ends without error (an existing folder is replaced only then), removed when
+    it raises."""
+    final = Path(path).absolute()
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f"{final} exists and is not a directory")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # A sibling on the same filesystem, so the final rename is a cheap, atomic
+    # directory rename; the dot keeps it out of `ls` and of glob-based loaders.
+    staging = _fresh_sibling(final, "tmp")
+    # Plain mkdir (not mkdtemp's 0700) so the export gets the usual umask
+    # permissions: engines or users under another account must read it.
+    staging.mkdir()
+    try:
+        yield staging
         _swap_into_place(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return final
 
 
 def _prepare(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -30,9 +32,11 @@ from transformers import AutoConfig
 from vime import checkpoint
 from vime import device as vime_device
 from vime.backends import varlen_attention
+from vime.backends.fsdp2 import lora as fsdp_lora
 from vime.backends.fsdp2 import model as fsdp_model
 from vime.backends.policy_actor import PolicyTrainActor
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
+from vime.weights.lora import LoraSettings, merge
 
 
 class FSDP2Actor(PolicyTrainActor):
@@ -57,6 +61,12 @@ class FSDP2Actor(PolicyTrainActor):
         )
         # Per-sample attention reads rows whose samples share their prompt (computed once).
         self.shares_prompts = attn == varlen_attention.HF_NAME
+        # LoRA: adapters train, the base is frozen and, with them off, the KL reference.
+        self.lora = LoraSettings.from_args(args)
+        # A low-precision compute dtype also stores the frozen base (half the memory).
+        self._base_dtype = param_dtype if param_dtype != torch.float32 else None
+        self.reference_in_model = self.lora.enabled
+        self._engines_have_base = False  # an adapter-only sync sends the base first
         self.model = fsdp_model.load_sharded_model(
             args.hf_checkpoint,
             mesh=mesh,
@@ -69,12 +79,18 @@ class FSDP2Actor(PolicyTrainActor):
                 "reshard_after_forward": args.fsdp_reshard_after_forward,
                 "cpu_offload": args.fsdp_cpu_offload,
             },
+            adapt=self._add_adapters if self.lora.enabled else None,
         )
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._setup_training(list(self.model.named_parameters()))
         return self._start_rollout()
+
+    def _add_adapters(self, model: torch.nn.Module) -> None:
+        fsdp_lora.inject(model, self.lora, self.args.seed)
+        if self._base_dtype is not None:
+            fsdp_lora.store_base(model, self._base_dtype)
 
     # ----- backend hooks -------------------------------------------------------------------
 
@@ -83,6 +99,26 @@ class FSDP2Actor(PolicyTrainActor):
 
     def _local_tensors(self) -> list[torch.Tensor]:
         return [_local(p) for p in self.params]
+
+    def _weight_buffers(self) -> list[torch.Tensor]:
+        # LoRA's frozen base: weights that ``params`` (the adapters) leave out.
+        return [_local(p) for p in self.model.parameters() if not p.requires_grad]
+
+    def _run_micro_batches(self, *args: Any, backward: bool, **kwargs: Any) -> None:
+        # Adapter dropout belongs to the update's forward only: log-prob passes (pi_old,
+        # the reference, the probe) score the policy the engines serve.
+        if self.lora.enabled:
+            fsdp_lora.set_dropout(self.model, backward)
+        super()._run_micro_batches(*args, backward=backward, **kwargs)
+
+    @contextmanager
+    def _as_reference(self) -> Iterator[None]:
+        if not self.lora.enabled:
+            with super()._as_reference():
+                yield
+            return
+        with fsdp_lora.adapters_disabled(self.model):  # the base is the reference
+            yield
 
     def _before_backward(self, last: bool) -> None:
         # Each backward reduce-scatters within the shard group; FSDP2 keeps the partial
@@ -101,23 +137,79 @@ class FSDP2Actor(PolicyTrainActor):
     # ----- weights out ---------------------------------------------------------------------
 
     def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full HF-named weights in the checkpoint's dtype, one bucket materialized at a time.
+        """Full HF-named weights in the checkpoint's dtype, one bucket materialized at a time
+        (LoRA: each adapted layer's merge ``W + s·BA``).
 
         A collective: every rank must iterate it to the end (``full_tensor`` all-gathers).
         """
         self._check_awake("weights")
-        dtype = self._hf_dtype()
-        entries = (
-            WeightEntry(
-                name,
-                tensor_nbytes(param.shape, dtype),
-                # On the rank's device even when the shards are offloaded to the host: a
-                # colocated engine opens the tensors through CUDA IPC.
-                lambda p=param: _full(p).detach().to(self.device, dtype),
-            )
-            for name, param in self.model.named_parameters()
+        if not self.lora.enabled:
+            named = self.model.named_parameters()
+            return iter_buckets((self._entry(name, p) for name, p in named), bucket_bytes)
+        return iter_buckets(self._merged_entries(), bucket_bytes)
+
+    def sync_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """LoRA: the first sync sends the frozen base and the adapters, each later one the
+        adapters alone (float32); the engines merge them (``vime.weights.lora``). With
+        ``--lora-merge-on-sync``, or without LoRA, the full weights."""
+        if not self.lora.enabled or self.lora.merge_on_sync:
+            return self.weight_buckets(bucket_bytes)
+        self._check_awake("weights")
+        return self._adapter_sync(bucket_bytes)
+
+    def _adapter_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        named = list(self.model.named_parameters())
+        entries = [self._entry(n, p, torch.float32) for n, p in named if p.requires_grad]
+        if not self._engines_have_base:
+            frozen = [self._entry(n, p) for n, p in named if not p.requires_grad]
+            entries = frozen + entries
+        yield from iter_buckets(entries, bucket_bytes)
+        self._engines_have_base = True
+
+    def _entry(
+        self, name: str, param: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> WeightEntry:
+        """``param`` under its wire name, gathered and cast (the checkpoint's dtype) when
+        its bucket is asked for."""
+        dtype = dtype or self._hf_dtype()
+        return WeightEntry(
+            fsdp_lora.wire_name(name),
+            tensor_nbytes(param.shape, dtype),
+            # On the rank's device even when the shards are offloaded to the host: a
+            # colocated engine opens the tensors through CUDA IPC.
+            lambda p=param: _full(p).detach().to(self.device, dtype),
         )
-        return iter_buckets(entries, bucket_bytes)
+
+    def _merged_entries(self) -> Iterator[WeightEntry]:
+        dtype, scale = self._hf_dtype(), self.lora.scale
+        params = dict(self.model.named_parameters())
+        for name, param in params.items():
+            if param.requires_grad:
+                continue  # an adapter: merged into its layer's weight
+            layer = name.removesuffix(".base_layer.weight")
+            if layer == name:
+                yield self._entry(name, param)
+                continue
+            a, b = (params[f"{layer}.{part}.default.weight"] for part in ("lora_A", "lora_B"))
+
+            def merged(w: Any = param, a: Any = a, b: Any = b) -> torch.Tensor:
+                return merge(_full(w), _full(a), _full(b), scale, dtype).to(self.device)
+
+            yield WeightEntry(fsdp_lora.wire_name(name), tensor_nbytes(param.shape, dtype), merged)
+
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        """LoRA: a PEFT adapter folder for the base checkpoint (``merged``: the full
+        model, adapters merged in). A collective: every rank gathers, rank 0 writes."""
+        if not self.lora.enabled or merged:
+            super().export_hf(path)
+            return
+        adapters = {
+            fsdp_lora.wire_name(name): _full(p).detach().to("cpu", torch.float32)
+            for name, p in self.model.named_parameters()
+            if p.requires_grad
+        }
+        if self.rank == 0:
+            fsdp_lora.write_peft_folder(path, adapters, self.lora, self.args.hf_checkpoint)
 
     def _release_gathered(self) -> None:
         for module in self.model.modules():
@@ -136,7 +228,9 @@ class FSDP2Actor(PolicyTrainActor):
     # ----- checkpoints ---------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        # LoRA: the adapters only; the frozen base is the --hf-checkpoint's.
+        options = StateDictOptions(ignore_frozen_params=self.lora.enabled)
+        state: dict[str, Any] = {"model": get_model_state_dict(self.model, options=options)}
         # A never-stepped AdamW has no state; asking DCP for it would fabricate a step.
         if self.optimizer_steps > 0:
             state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
@@ -151,6 +245,7 @@ class FSDP2Actor(PolicyTrainActor):
         from ``--seed``, the rollout id and the rank, and rank 0 says so.
         """
         rollout_id, folder, meta = self._open_checkpoint(load_dir)
+        self._check_lora(folder, meta["extra"].get("lora"))
         saved_world = int(meta["world_size"])
         state = self._state()
         try:
@@ -168,7 +263,8 @@ class FSDP2Actor(PolicyTrainActor):
                 f"{folder} was saved by {saved_world} ranks and could not be resharded onto "
                 f"{self.world} ranks ({reason}); load it with {saved_world} ranks"
             ) from e
-        set_model_state_dict(self.model, state["model"])
+        options = StateDictOptions(ignore_frozen_params=self.lora.enabled, strict=False)
+        set_model_state_dict(self.model, state["model"], options=options)
         if "optim" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if saved_world == self.world:
@@ -182,6 +278,39 @@ class FSDP2Actor(PolicyTrainActor):
                     flush=True,
                 )
         return rollout_id
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        return {"lora": _lora_fields(self.lora)}
+
+    def _check_lora(self, folder: Any, saved: dict[str, Any] | None) -> None:
+        """A checkpoint holds the adapters of one LoRA shape (or the full model): refuse
+        to load it into another."""
+        mine = _lora_fields(self.lora)
+        saved = saved or _lora_fields(LoraSettings())
+        if saved != mine:
+            raise checkpoint.CheckpointError(
+                f"{folder} was saved with LoRA {_describe_lora(saved)}, this run has "
+                f"{_describe_lora(mine)}; resume with the same --lora-rank, --lora-alpha and "
+                "--lora-target-modules"
+            )
+
+
+def _lora_fields(settings: LoraSettings) -> dict[str, Any]:
+    """What a checkpoint's adapters depend on (dropout and the sync mode do not count)."""
+    if not settings.enabled:
+        return {"rank": 0}
+    return {
+        "rank": settings.rank,
+        "alpha": settings.alpha,
+        "target_modules": sorted(settings.target_modules),
+    }
+
+
+def _describe_lora(fields: dict[str, Any]) -> str:
+    if not fields["rank"]:
+        return "off"
+    targets = ",".join(fields["target_modules"])
+    return f"rank {fields['rank']}, alpha {fields['alpha']:g}, targets {targets}"
 
 
 def _seed_all(seed: int) -> None:

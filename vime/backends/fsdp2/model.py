@@ -13,7 +13,7 @@ and broadcasts the full state into everyone's shards. Non-persistent buffers
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -182,8 +182,13 @@ def load_sharded_model(
     device: torch.device,
     attn_implementation: str,
     shard_kwargs: dict[str, Any],
+    adapt: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
     """The checkpoint's model in fp32 master weights, sharded over ``mesh``.
+
+    ``adapt`` changes the model before it is sharded (LoRA adds its adapters): it runs
+    on rank 0's loaded copy, whose values every rank receives, and on each rank's meta
+    copy, which must come out with the same parameters.
 
     The returned model's ``config`` says float32 (``from_config`` records the dtype it
     built in); the checkpoint's own dtype is in ``AutoConfig.from_pretrained``.
@@ -197,12 +202,16 @@ def load_sharded_model(
         full = AutoModelForCausalLM.from_pretrained(
             hf_checkpoint, dtype=torch.float32, attn_implementation=attn_implementation
         )
+        if adapt is not None:
+            adapt(full)
         full_state = full.state_dict()
         full_buffers = dict(full.named_buffers())
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=attn_implementation
         )
+        if adapt is not None:
+            adapt(model)
     shard_model(model, mesh, **shard_kwargs)
     home = materialize_device(device, bool(shard_kwargs.get("cpu_offload")))
     model.to_empty(device=home)

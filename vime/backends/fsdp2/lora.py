@@ -1,0 +1,156 @@
+"""LoRA on the fsdp2 backend: peft's adapters injected into the HF model, and their names.
+
+Where it fits: with ``--lora-rank R`` ``FSDP2Actor`` calls ``inject`` on the model
+before it is sharded (on rank 0's loaded copy and on every rank's meta copy, so
+the broadcast carries rank 0's seeded adapter init). peft's layers stay inside
+the HF model (no ``PeftModel`` wrapper): decoder blocks, ``fully_shard`` and the
+forward are unchanged; the base weights are frozen, the adapters are the only
+trainable parameters. ``adapters_disabled`` turns the model back into its base,
+which is the KL reference. ``wire_name`` maps a parameter to the HF / wire name
+(``vime.weights.lora``), and ``write_peft_folder`` writes what
+``PeftModel.from_pretrained`` loads onto the base checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from vime.config.errors import ConfigError
+from vime.weights.hf_export import staged_folder
+from vime.weights.lora import LoraSettings
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_ADAPTER = "default"  # peft's name of the one adapter
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (what targets can name)."""
+    return sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m) and name}
+    )
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    return type(module) is torch.nn.Linear
+
+
+def peft_config(settings: LoraSettings, base_model: str | None = None) -> object:
+    """The ``peft.LoraConfig`` of ``settings`` (no bias training; the plain LoRA scale)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        bias="none",
+        base_model_name_or_path=base_model,
+    )
+
+
+def inject(model: torch.nn.Module, settings: LoraSettings, seed: int) -> None:
+    """Give every target linear layer of ``model`` an adapter (A seeded from ``seed``,
+    B zero, so the model starts as its base) and freeze everything else.
+
+    A target that names no linear layer of the model raises ``ConfigError`` listing
+    the names that would.
+    """
+    from peft import inject_adapter_in_model
+
+    linear = linear_module_names(model)
+    missing = [t for t in settings.target_modules if t not in linear]
+    if missing:
+        raise ConfigError(
+            f"--lora-target-modules {','.join(missing)} names no linear layer of this model; "
+            f"its linear layers are: {', '.join(linear)}"
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(peft_config(settings), model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+
+
+def store_base(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Keep the frozen base weights in ``dtype`` (the compute dtype: bf16 on a GPU).
+
+    FSDP2 casts every weight to its compute dtype for each forward, so a base that never
+    changes, rounded once here, computes bit for bit as an fp32 base would, at half the
+    memory; the adapters stay fp32 master weights. FSDP2 asks one dtype only of the
+    parameters that train.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(dtype)
+
+
+def is_adapter(param_name: str) -> bool:
+    """Whether a parameter of an injected model is a LoRA A or B."""
+    return f".lora_A.{_ADAPTER}." in param_name or f".lora_B.{_ADAPTER}." in param_name
+
+
+def wire_name(param_name: str) -> str:
+    """A parameter's HF name on the wire: the base weight under its checkpoint name, an
+    adapter as ``<layer>.lora_A.weight`` / ``<layer>.lora_B.weight``."""
+    name = param_name.replace(".base_layer.", ".")
+    return name.replace(f".lora_A.{_ADAPTER}.", ".lora_A.").replace(
+        f".lora_B.{_ADAPTER}.", ".lora_B."
+    )
+
+
+def adapter_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """peft's adapted layers of ``model``."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return (m for m in model.modules() if isinstance(m, BaseTunerLayer))
+
+
+@contextmanager
+def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` computes as its base inside the block (the adapters are skipped, not
+    zeroed: no weight changes, so leaving the block restores it exactly)."""
+    layers = list(adapter_layers(model))
+    adapters = [p for n, p in model.named_parameters() if is_adapter(n)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    # peft also freezes them; FSDP2 reads which parameters train at the first forward
+    # (a run's first is the reference's) and would then reduce no adapter gradient in fp32.
+    for param in adapters:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def set_dropout(model: torch.nn.Module, training: bool) -> None:
+    """Adapter dropout on (the update's forward) or off (log-prob passes)."""
+    for layer in adapter_layers(model):
+        for dropout in layer.lora_dropout.values():
+            dropout.train(training)
+
+
+def write_peft_folder(
+    path: str | os.PathLike[str],
+    adapters: Mapping[str, torch.Tensor],
+    settings: LoraSettings,
+    base_model: str | None,
+) -> Path:
+    """Write ``adapters`` (wire names -> tensors) as a PEFT adapter folder at ``path``:
+    ``adapter_config.json`` and ``adapter_model.safetensors``. Written beside ``path``
+    and renamed into place once complete, so ``path`` is never half-written."""
+    from safetensors.torch import save_file
+
+    with staged_folder(path) as staging:
+        peft_config(settings, base_model).save_pretrained(str(staging))
+        tensors = {PEFT_PREFIX + n: t.detach().to("cpu").contiguous() for n, t in adapters.items()}
+        save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    return Path(path).absolute()
