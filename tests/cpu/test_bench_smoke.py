@@ -5,7 +5,8 @@ build, train one step and report), prints the side-by-side table, and both paths
 gives the same loss and grad norm (the bench's own check, exit status 0). Also
 that vime's packed rows forward no padding while the naive rows do; and that the
 idle-engine and engine-update benches run and report, and that the vime-vs-TRL bench
-runs both trainers on the same prompt ids and weights (where TRL is installed). No
+runs both trainers on the same prompt ids and weights (where TRL is installed), and that
+the LoRA bench holds and syncs less than full-weight training. No
 timing is asserted: the figures depend on the machine and its load.
 """
 
@@ -188,3 +189,18 @@ def test_async_loop_bench_smoke(tmp_path: Path) -> None:
     assert figures["rows"]["K=0"]["staleness_max"] is None
     assert 0 <= figures["rows"]["K=1"]["staleness_max"] <= 1
     assert figures["ratios"]["K=1"]["median"] > 0
+
+
+def test_lora_bench_smoke(tmp_path: Path) -> None:
+    """``bench/lora.py --smoke``: both paths train; LoRA holds no gradient, optimizer state
+    or reference copy for the base, and a later sync moves the adapters alone."""
+    out = tmp_path / "figures.json"
+    result = _run_bench("lora.py", ["--smoke", "--threads", "1", "--json", str(out)], timeout=300)
+    assert "ratios LoRA/full: trainer memory" in result.stdout
+    figures = json.loads(out.read_text())
+    full, lora = figures["full"], figures["lora"]
+    assert lora["trainable"] < full["trainable"] == full["params"]
+    assert lora["held"]["reference"] == 0 < full["held"]["reference"]
+    assert lora["held"]["grads"] < full["held"]["grads"] / 4
+    assert lora["held"]["optimizer"] < full["held"]["optimizer"] / 4
+    assert lora["later_sync"] < full["later_sync"] / 4 < lora["first_sync"]
