@@ -10,7 +10,10 @@ full sync; the PEFT export loads with ``peft`` onto the base checkpoint and repr
 the trainer's logits, and the merged export with transformers alone; dp=1 and dp=2
 agree; save -> new processes -> load -> continue equals the uninterrupted run bitwise;
 a checkpoint of another LoRA shape is refused; a target that names no linear layer
-lists the ones that exist.
+lists the ones that exist. With --lora-modules-to-save norm every norm trains in full
+beside the adapters, travels at every sync under its own name, is the original in the
+reference, and the same sync, reference and export checks hold; a tied or unknown
+module is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from vime.data.batch import RolloutBatch
 
 RANK, ALPHA = 4, 8.0
 LORA = ("--lora-rank", str(RANK), "--lora-alpha", str(ALPHA))
+SAVED = ("--lora-modules-to-save", "norm")
+# The norms "norm" names (peft matches name ends): 4 in each of 2 blocks, and the final one.
+SAVED_NORMS = 4 * 2 + 1
 BUCKET = 1 << 14
 
 
@@ -155,15 +161,28 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def steps(hf_dir, tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("lora_steps")
-    args = actor_args(
-        hf_dir, 2, *LORA, "--save-hf", str(tmp / "peft"), "--save-hf-merged", str(tmp / "full")
-    )
+def _steps(hf_dir: str, tmp: Path, *extra: str) -> dict:
+    exports = ("--save-hf", str(tmp / "peft"), "--save-hf-merged", str(tmp / "full"))
+    args = actor_args(hf_dir, 2, *LORA, *exports, *extra)
     got = spawn(_job, 2, tmp, "steps", args)
     got["args"], got["tmp"] = args, tmp
     return got
+
+
+@pytest.fixture(scope="module")
+def steps(hf_dir, tmp_path_factory) -> dict:
+    return _steps(hf_dir, tmp_path_factory.mktemp("lora_steps"))
+
+
+@pytest.fixture(scope="module")
+def saved_steps(hf_dir, tmp_path_factory) -> dict:
+    """The same steps with every norm trained in full beside the adapters."""
+    return _steps(hf_dir, tmp_path_factory.mktemp("lora_saved"), *SAVED)
+
+
+@pytest.fixture(params=["steps", "saved_steps"])
+def any_steps(request) -> dict:
+    return request.getfixturevalue(request.param)
 
 
 def test_only_adapters_train_and_hold_optimizer_state(steps) -> None:
@@ -238,9 +257,41 @@ def _loss(model, weights, base, batch: RolloutBatch, indices, args) -> torch.Ten
     return loss / total_tokens
 
 
-def test_reference_is_the_base_bit_for_bit(steps) -> None:
-    """Adapters off after training: exactly the log-probs the untrained model (B = 0)
-    gave, while the trained actor's have moved."""
+def test_saved_modules_train_and_travel_under_their_own_names(saved_steps) -> None:
+    trainable = saved_steps["trainable"]
+    copies = [n for n in trainable if ".modules_to_save.default." in n]
+    assert len(copies) == SAVED_NORMS and len(trainable) == 28 + SAVED_NORMS
+    assert saved_steps["optimizer_state"] == trainable
+    second = {n for b in saved_steps["second_sync"] for n, _ in b}
+    norms = {n for n in second if ".lora_" not in n}
+    assert len(norms) == SAVED_NORMS and all(n.endswith("norm.weight") for n in norms)
+    moved = (
+        saved_steps["merged1"]["model.norm.weight"] - saved_steps["merged0"]["model.norm.weight"]
+    )
+    assert float(moved.abs().max()) > 1e-4, "the final norm did not train"
+
+
+def test_a_tied_or_unknown_module_to_save_is_refused(hf_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from vime.backends.fsdp2.lora import inject
+    from vime.config.errors import ConfigError
+    from vime.weights.lora import LoraSettings
+
+    tied = AutoModelForCausalLM.from_config(tiny_qwen3_config(VOCAB, tie=True))
+    with pytest.raises(ConfigError, match=r"model\.embed_tokens's weight is tied to lm_head's"):
+        inject(tied, LoraSettings(rank=2, modules_to_save=("embed_tokens",)), seed=0)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    with pytest.raises(ConfigError) as err:
+        inject(model, LoraSettings(rank=2, modules_to_save=("layernorm_x",)), seed=0)
+    assert "layernorm_x names no module" in str(err.value)
+    assert "input_layernorm, k_norm, k_proj, lm_head, norm, o_proj" in str(err.value)
+
+
+def test_reference_is_the_base_bit_for_bit(any_steps) -> None:
+    """Adapters (and saved modules) off after training: exactly the log-probs the
+    untrained model gave, while the trained actor's have moved."""
+    steps = any_steps
     start, ref, actor = steps["ref_at_start"], steps["ref_after"], steps["actor_after"]
     assert start.keys() == ref.keys() == actor.keys() and len(ref) == 8
     for i in ref:
@@ -249,17 +300,18 @@ def test_reference_is_the_base_bit_for_bit(steps) -> None:
     assert moved > 1e-4, f"training did not move the actor ({moved})"
 
 
-def test_adapter_only_sync_serves_what_a_merged_sync_does(steps, hf_dir) -> None:
+def test_adapter_only_sync_serves_what_a_merged_sync_does(any_steps, hf_dir) -> None:
     """Two engines through the engine actor's own update path: one gets the base and the
-    adapters, then the adapters alone (streamed bucket by bucket), the other the merged
-    weights each time. Same tensors, same log-probs, bit for bit."""
+    adapters, then the adapters alone (and saved modules; streamed bucket by bucket), the
+    other the merged weights each time. Same tensors, same log-probs, bit for bit."""
     from vime.ray.engines import EngineActor
     from vime.weights.lora import EngineLora
 
+    steps = any_steps
     first, second = steps["first_sync"], steps["second_sync"]
     first_names = {n for b in first for n, _ in b}
     second_names = {n for b in second for n, _ in b}
-    assert second_names and all(".lora_" in n for n in second_names)
+    assert second_names and all(".lora_" in n or "norm" in n for n in second_names)
     assert first_names == second_names | set(steps["merged0"]), "base once, beside the adapters"
     sent = sum(t.numel() * t.element_size() for b in second for _, t in b)
     full = sum(t.numel() * t.element_size() for t in steps["merged1"].values())
@@ -288,12 +340,13 @@ def test_adapter_only_sync_serves_what_a_merged_sync_does(steps, hf_dir) -> None
     )
 
 
-def test_peft_export_loads_onto_the_base_and_reproduces_the_logits(steps, hf_dir) -> None:
+def test_peft_export_loads_onto_the_base_and_reproduces_the_logits(any_steps, hf_dir) -> None:
     import json
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    steps = any_steps
     peft_dir = steps["tmp"] / "peft"
     config = json.loads((peft_dir / "adapter_config.json").read_text())
     assert config["r"] == RANK and config["lora_alpha"] == ALPHA

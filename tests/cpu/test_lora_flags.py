@@ -1,8 +1,9 @@
 """``--lora-*`` flags: they reach ``LoraSettings``, and bad ones are one line.
 
 Proves: every flag lands in the settings (rank, alpha -> scale, dropout, targets,
-merge-on-sync); the default targets are every linear projection of a decoder block; a
-backend without LoRA (megatron) is refused naming it and fsdp2; LoRA flags without
+merge-on-sync, modules to save); the default targets are every linear projection of a
+decoder block; a backend without LoRA (megatron) is refused naming it and fsdp2; LoRA
+flags without
 ``--lora-rank`` and out-of-range values are refused.
 """
 
@@ -29,10 +30,12 @@ def test_flags_reach_the_settings() -> None:
             "--lora-target-modules",
             "q_proj, v_proj",
             "--lora-merge-on-sync",
+            "--lora-modules-to-save",
+            "norm",
         ]
     )
     settings = LoraSettings.from_args(args)
-    assert settings == LoraSettings(8, 4.0, 0.1, ("q_proj", "v_proj"), True)
+    assert settings == LoraSettings(8, 4.0, 0.1, ("q_proj", "v_proj"), True, ("norm",))
     assert settings.enabled and settings.scale == 0.5
     default = LoraSettings.from_args(parse_args(BASE))
     assert not default.enabled
@@ -56,6 +59,7 @@ def test_flags_reach_the_settings() -> None:
         ),
         (["--lora-alpha", "8"], "--lora-alpha needs --lora-rank R"),
         (["--lora-merge-on-sync"], "--lora-merge-on-sync needs --lora-rank R"),
+        (["--lora-modules-to-save", "norm"], "--lora-modules-to-save needs --lora-rank R"),
         (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
         (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
         (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),

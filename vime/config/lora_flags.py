@@ -56,6 +56,15 @@ def add_lora_flags(p: argparse._ArgumentGroup) -> None:
         f"(default: {','.join(DEFAULT_TARGETS)})",
     )
     p.add_argument(
+        "--lora-modules-to-save",
+        type=module_names,
+        default=(),
+        metavar="NAMES",
+        help="comma-separated modules trained in full beside the adapters (peft's "
+        "modules_to_save: every module whose name ends so, e.g. norm for all the norms); "
+        "the reference keeps their original weights, and every sync sends them",
+    )
+    p.add_argument(
         "--lora-merge-on-sync",
         action="store_true",
         help="send the engines the merged weights at every sync, instead of the base once "
@@ -74,6 +83,7 @@ def check_lora(args: argparse.Namespace) -> None:
                 ("--lora-alpha", args.lora_alpha, DEFAULT_ALPHA),
                 ("--lora-dropout", args.lora_dropout, 0.0),
                 ("--lora-target-modules", args.lora_target_modules, DEFAULT_TARGETS),
+                ("--lora-modules-to-save", tuple(args.lora_modules_to_save), ()),
                 ("--lora-merge-on-sync", args.lora_merge_on_sync, False),
             )
             if value != default

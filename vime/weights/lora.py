@@ -12,7 +12,9 @@ base ``W`` once and then only ``A`` and ``B``: an ``AdapterMerger`` on the engin
 keeps the base and computes ``W'`` there with the same function, so both paths
 give the engine the same bits. On the wire an adapter is two tensors named after
 its layer, ``<layer>.lora_A.weight`` and ``<layer>.lora_B.weight`` (PEFT's saved
-names without its ``base_model.model.`` prefix), in float32.
+names without its ``base_model.model.`` prefix), in float32. A module trained in
+full beside them (``--lora-modules-to-save``) travels under its own HF name at every
+sync, and the merger keeps it as the base it is.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class LoraSettings:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
     merge_on_sync: bool = False
+    modules_to_save: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args: Any) -> LoraSettings:
@@ -48,6 +51,7 @@ class LoraSettings:
             dropout=args.lora_dropout,
             target_modules=tuple(args.lora_target_modules),
             merge_on_sync=args.lora_merge_on_sync,
+            modules_to_save=tuple(args.lora_modules_to_save),
         )
 
     @property

@@ -159,9 +159,18 @@ class FSDP2Actor(PolicyTrainActor):
 
     def _adapter_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         named = list(self.model.named_parameters())
-        entries = [self._entry(n, p, torch.float32) for n, p in named if p.requires_grad]
+        # Adapters in fp32 (merged on the engine); saved modules as the weights they are.
+        entries = [
+            self._entry(n, p, torch.float32 if fsdp_lora.is_adapter(n) else None)
+            for n, p in named
+            if p.requires_grad
+        ]
         if not self._engines_have_base:
-            frozen = [self._entry(n, p) for n, p in named if not p.requires_grad]
+            frozen = [
+                self._entry(n, p)
+                for n, p in named
+                if not p.requires_grad and not fsdp_lora.is_original(n)
+            ]
             entries = frozen + entries
         yield from iter_buckets(entries, bucket_bytes)
         self._engines_have_base = True
@@ -184,8 +193,8 @@ class FSDP2Actor(PolicyTrainActor):
         dtype, scale = self._hf_dtype(), self.lora.scale
         params = dict(self.model.named_parameters())
         for name, param in params.items():
-            if param.requires_grad:
-                continue  # an adapter: merged into its layer's weight
+            if fsdp_lora.is_adapter(name) or fsdp_lora.is_original(name):
+                continue  # merged into its layer's weight; the reference's saved module
             layer = name.removesuffix(".base_layer.weight")
             if layer == name:
                 yield self._entry(name, param)
@@ -290,8 +299,8 @@ class FSDP2Actor(PolicyTrainActor):
         if saved != mine:
             raise checkpoint.CheckpointError(
                 f"{folder} was saved with LoRA {_describe_lora(saved)}, this run has "
-                f"{_describe_lora(mine)}; resume with the same --lora-rank, --lora-alpha and "
-                "--lora-target-modules"
+                f"{_describe_lora(mine)}; resume with the same --lora-rank, --lora-alpha, "
+                "--lora-target-modules and --lora-modules-to-save"
             )
 
 
@@ -299,18 +308,22 @@ def _lora_fields(settings: LoraSettings) -> dict[str, Any]:
     """What a checkpoint's adapters depend on (dropout and the sync mode do not count)."""
     if not settings.enabled:
         return {"rank": 0}
-    return {
+    fields: dict[str, Any] = {
         "rank": settings.rank,
         "alpha": settings.alpha,
         "target_modules": sorted(settings.target_modules),
     }
+    if settings.modules_to_save:
+        fields["modules_to_save"] = sorted(settings.modules_to_save)
+    return fields
 
 
 def _describe_lora(fields: dict[str, Any]) -> str:
     if not fields["rank"]:
         return "off"
     targets = ",".join(fields["target_modules"])
-    return f"rank {fields['rank']}, alpha {fields['alpha']:g}, targets {targets}"
+    saved = ",".join(fields.get("modules_to_save", ())) or "none"
+    return f"rank {fields['rank']}, alpha {fields['alpha']:g}, targets {targets}, saved {saved}"
 
 
 def _seed_all(seed: int) -> None:

@@ -27,6 +27,7 @@ from vime.weights.lora import LoraSettings
 PEFT_PREFIX = "base_model.model."
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _ADAPTER = "default"  # peft's name of the one adapter
+_SAVED, _ORIGINAL = "modules_to_save", "original_module"  # peft's ModulesToSaveWrapper
 
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:
@@ -49,6 +50,7 @@ def peft_config(settings: LoraSettings, base_model: str | None = None) -> object
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=list(settings.target_modules),
+        modules_to_save=list(settings.modules_to_save) or None,
         bias="none",
         base_model_name_or_path=base_model,
     )
@@ -70,11 +72,42 @@ def inject(model: torch.nn.Module, settings: LoraSettings, seed: int) -> None:
             f"--lora-target-modules {','.join(missing)} names no linear layer of this model; "
             f"its linear layers are: {', '.join(linear)}"
         )
+    _check_modules_to_save(model, settings.modules_to_save)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_adapter_in_model(peft_config(settings), model)
     for name, param in model.named_parameters():
-        param.requires_grad_(is_adapter(name))
+        param.requires_grad_(trains(name))
+
+
+def _check_modules_to_save(model: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """Each name must end some module's name (peft's match) whose weights are its own:
+    a tied weight (the embedding of a tied head) would train one copy and serve both."""
+    modules = dict(model.named_modules())
+    owners: dict[int, list[str]] = {}
+    for module_name, module in modules.items():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module_name)
+    for target in names:
+        matched = [n for n in modules if n == target or n.endswith(f".{target}")]
+        if not matched:
+            leaves = {n.rsplit(".", 1)[-1] for n, m in modules.items() if _owns_weights(m)}
+            raise ConfigError(
+                f"--lora-modules-to-save {target} names no module of this model; its modules "
+                f"with weights are: {', '.join(sorted(leaves))}"
+            )
+        for module_name in matched:
+            for param in modules[module_name].parameters():
+                tied = [n for n in owners[id(param)] if n != module_name]
+                if tied:
+                    raise ConfigError(
+                        f"--lora-modules-to-save {target}: {module_name}'s weight is tied to "
+                        f"{tied[0]}'s; name modules whose weights are their own (e.g. norm)"
+                    )
+
+
+def _owns_weights(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
 
 
 def store_base(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -96,20 +129,40 @@ def is_adapter(param_name: str) -> bool:
     return f".lora_A.{_ADAPTER}." in param_name or f".lora_B.{_ADAPTER}." in param_name
 
 
+def is_saved_copy(param_name: str) -> bool:
+    """Whether it is the trained copy of a ``--lora-modules-to-save`` module."""
+    return f".{_SAVED}.{_ADAPTER}." in param_name
+
+
+def is_original(param_name: str) -> bool:
+    """Whether it is the frozen original of a ``--lora-modules-to-save`` module (the
+    reference's; the engines serve the trained copy under the same HF name)."""
+    return f".{_ORIGINAL}." in param_name
+
+
+def trains(param_name: str) -> bool:
+    """Whether a parameter of an injected model trains: adapters and saved copies."""
+    return is_adapter(param_name) or is_saved_copy(param_name)
+
+
 def wire_name(param_name: str) -> str:
     """A parameter's HF name on the wire: the base weight under its checkpoint name, an
-    adapter as ``<layer>.lora_A.weight`` / ``<layer>.lora_B.weight``."""
-    name = param_name.replace(".base_layer.", ".")
+    adapter as ``<layer>.lora_A.weight`` / ``<layer>.lora_B.weight``, a saved module's
+    original and trained copy both under the module's own name."""
+    name = param_name.replace(".base_layer.", ".").replace(f".{_ORIGINAL}.", ".")
+    name = name.replace(f".{_SAVED}.{_ADAPTER}.", ".")
     return name.replace(f".lora_A.{_ADAPTER}.", ".lora_A.").replace(
         f".lora_B.{_ADAPTER}.", ".lora_B."
     )
 
 
 def adapter_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """peft's adapted layers of ``model``."""
+    """peft's adapted layers of ``model``, and its wrappers of saved modules."""
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
 
-    return (m for m in model.modules() if isinstance(m, BaseTunerLayer))
+    kinds = (BaseTunerLayer, ModulesToSaveWrapper)
+    return (m for m in model.modules() if isinstance(m, kinds))
 
 
 @contextmanager
@@ -117,7 +170,7 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
     """``model`` computes as its base inside the block (the adapters are skipped, not
     zeroed: no weight changes, so leaving the block restores it exactly)."""
     layers = list(adapter_layers(model))
-    adapters = [p for n, p in model.named_parameters() if is_adapter(n)]
+    adapters = [p for n, p in model.named_parameters() if trains(n)]
     for layer in layers:
         layer.enable_adapters(False)
     # peft also freezes them; FSDP2 reads which parameters train at the first forward
@@ -134,7 +187,7 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 def set_dropout(model: torch.nn.Module, training: bool) -> None:
     """Adapter dropout on (the update's forward) or off (log-prob passes)."""
     for layer in adapter_layers(model):
-        for dropout in layer.lora_dropout.values():
+        for dropout in getattr(layer, "lora_dropout", {}).values():
             dropout.train(training)
 
 
