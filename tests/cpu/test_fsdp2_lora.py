@@ -12,8 +12,8 @@ agree; save -> new processes -> load -> continue equals the uninterrupted run bi
 a checkpoint of another LoRA shape is refused; a target that names no linear layer
 lists the ones that exist. With --lora-modules-to-save norm every norm trains in full
 beside the adapters, travels at every sync under its own name, is the original in the
-reference, and the same sync, reference and export checks hold; a tied or unknown
-module is refused.
+reference, and the same sync, reference and export checks hold, also for a tied head's
+embedding (one trained copy serves both); an unknown module lists those that exist.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def _steps(hf_dir: str, tmp: Path, *extra: str) -> dict:
     exports = ("--save-hf", str(tmp / "peft"), "--save-hf-merged", str(tmp / "full"))
     args = actor_args(hf_dir, 2, *LORA, *exports, *extra)
     got = spawn(_job, 2, tmp, "steps", args)
-    got["args"], got["tmp"] = args, tmp
+    got["args"], got["tmp"], got["hf"] = args, tmp, hf_dir
     return got
 
 
@@ -180,7 +180,15 @@ def saved_steps(hf_dir, tmp_path_factory) -> dict:
     return _steps(hf_dir, tmp_path_factory.mktemp("lora_saved"), *SAVED)
 
 
-@pytest.fixture(params=["steps", "saved_steps"])
+@pytest.fixture(scope="module")
+def tied_steps(tmp_path_factory) -> dict:
+    """A tied head: its embedding trained in full (one copy serves both) with the norms."""
+    tmp = tmp_path_factory.mktemp("lora_tied")
+    hf = save_tiny(tmp / "model", tiny_qwen3_config(VOCAB, tie=True), seed=0)
+    return _steps(hf, tmp, "--lora-modules-to-save", "embed_tokens,norm")
+
+
+@pytest.fixture(params=["steps", "saved_steps", "tied_steps"])
 def any_steps(request) -> dict:
     return request.getfixturevalue(request.param)
 
@@ -271,16 +279,24 @@ def test_saved_modules_train_and_travel_under_their_own_names(saved_steps) -> No
     assert float(moved.abs().max()) > 1e-4, "the final norm did not train"
 
 
-def test_a_tied_or_unknown_module_to_save_is_refused(hf_dir) -> None:
+def test_a_tied_embedding_trains_as_one_copy(tied_steps) -> None:
+    """The embedding of a tied head: one trained copy, the head's too; it moved."""
+    copies = [n for n in tied_steps["trainable"] if ".modules_to_save.default." in n]
+    assert "model.embed_tokens.modules_to_save.default.weight" in copies
+    assert len(copies) == SAVED_NORMS + 1, copies
+    second = {n for b in tied_steps["second_sync"] for n, _ in b}
+    assert "model.embed_tokens.weight" in second
+    before, after = (tied_steps[k]["model.embed_tokens.weight"] for k in ("merged0", "merged1"))
+    assert float((after - before).abs().max()) > 1e-4, "the embedding did not train"
+
+
+def test_an_unknown_module_to_save_lists_the_modules(hf_dir) -> None:
     from transformers import AutoModelForCausalLM
 
     from vime.backends.fsdp2.lora import inject
     from vime.config.errors import ConfigError
     from vime.weights.lora import LoraSettings
 
-    tied = AutoModelForCausalLM.from_config(tiny_qwen3_config(VOCAB, tie=True))
-    with pytest.raises(ConfigError, match=r"model\.embed_tokens's weight is tied to lm_head's"):
-        inject(tied, LoraSettings(rank=2, modules_to_save=("embed_tokens",)), seed=0)
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     with pytest.raises(ConfigError) as err:
         inject(model, LoraSettings(rank=2, modules_to_save=("layernorm_x",)), seed=0)
@@ -300,7 +316,7 @@ def test_reference_is_the_base_bit_for_bit(any_steps) -> None:
     assert moved > 1e-4, f"training did not move the actor ({moved})"
 
 
-def test_adapter_only_sync_serves_what_a_merged_sync_does(any_steps, hf_dir) -> None:
+def test_adapter_only_sync_serves_what_a_merged_sync_does(any_steps) -> None:
     """Two engines through the engine actor's own update path: one gets the base and the
     adapters, then the adapters alone (and saved modules; streamed bucket by bucket), the
     other the merged weights each time. Same tensors, same log-probs, bit for bit."""
@@ -308,10 +324,12 @@ def test_adapter_only_sync_serves_what_a_merged_sync_does(any_steps, hf_dir) -> 
     from vime.weights.lora import EngineLora
 
     steps = any_steps
+    hf_dir = steps["hf"]
     first, second = steps["first_sync"], steps["second_sync"]
     first_names = {n for b in first for n, _ in b}
     second_names = {n for b in second for n, _ in b}
-    assert second_names and all(".lora_" in n or "norm" in n for n in second_names)
+    saved = ("norm.weight", "embed_tokens.weight")
+    assert second_names and all(".lora_" in n or n.endswith(saved) for n in second_names)
     assert first_names == second_names | set(steps["merged0"]), "base once, beside the adapters"
     sent = sum(t.numel() * t.element_size() for b in second for _, t in b)
     full = sum(t.numel() * t.element_size() for t in steps["merged1"].values())
@@ -340,13 +358,14 @@ def test_adapter_only_sync_serves_what_a_merged_sync_does(any_steps, hf_dir) -> 
     )
 
 
-def test_peft_export_loads_onto_the_base_and_reproduces_the_logits(any_steps, hf_dir) -> None:
+def test_peft_export_loads_onto_the_base_and_reproduces_the_logits(any_steps) -> None:
     import json
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     steps = any_steps
+    hf_dir = steps["hf"]
     peft_dir = steps["tmp"] / "peft"
     config = json.loads((peft_dir / "adapter_config.json").read_text())
     assert config["r"] == RANK and config["lora_alpha"] == ALPHA

@@ -67,6 +67,7 @@ class FSDP2Actor(PolicyTrainActor):
         self._base_dtype = param_dtype if param_dtype != torch.float32 else None
         self.reference_in_model = self.lora.enabled
         self._engines_have_base = False  # an adapter-only sync sends the base first
+        self._saved_tied = False  # a saved module shares its weight (set by inject)
         self.model = fsdp_model.load_sharded_model(
             args.hf_checkpoint,
             mesh=mesh,
@@ -88,7 +89,7 @@ class FSDP2Actor(PolicyTrainActor):
         return self._start_rollout()
 
     def _add_adapters(self, model: torch.nn.Module) -> None:
-        fsdp_lora.inject(model, self.lora, self.args.seed)
+        self._saved_tied = fsdp_lora.inject(model, self.lora, self.args.seed)
         if self._base_dtype is not None:
             fsdp_lora.store_base(model, self._base_dtype)
 
@@ -212,13 +213,17 @@ class FSDP2Actor(PolicyTrainActor):
         if not self.lora.enabled or merged:
             super().export_hf(path)
             return
+        # Every name of a shared copy: peft loads a tied head's copy under its own name.
+        named = self.model.named_parameters(remove_duplicate=False)
         adapters = {
             fsdp_lora.wire_name(name): _full(p).detach().to("cpu", torch.float32)
-            for name, p in self.model.named_parameters()
+            for name, p in named
             if p.requires_grad
         }
         if self.rank == 0:
-            fsdp_lora.write_peft_folder(path, adapters, self.lora, self.args.hf_checkpoint)
+            fsdp_lora.write_peft_folder(
+                path, adapters, self.lora, self.args.hf_checkpoint, self._saved_tied
+            )
 
     def _release_gathered(self) -> None:
         for module in self.model.modules():

@@ -41,11 +41,16 @@ def _is_linear(module: torch.nn.Module) -> bool:
     return type(module) is torch.nn.Linear
 
 
-def peft_config(settings: LoraSettings, base_model: str | None = None) -> object:
-    """The ``peft.LoraConfig`` of ``settings`` (no bias training; the plain LoRA scale)."""
+def peft_config(
+    settings: LoraSettings, base_model: str | None = None, tied: bool = False
+) -> object:
+    """The ``peft.LoraConfig`` of ``settings`` (no bias training; the plain LoRA scale).
+    ``tied``: a saved module's weight is tied to another module's, whose wrapper then
+    shares the trained copy (peft's ``ensure_weight_tying``)."""
     from peft import LoraConfig
 
     return LoraConfig(
+        ensure_weight_tying=tied,
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
@@ -56,9 +61,10 @@ def peft_config(settings: LoraSettings, base_model: str | None = None) -> object
     )
 
 
-def inject(model: torch.nn.Module, settings: LoraSettings, seed: int) -> None:
+def inject(model: torch.nn.Module, settings: LoraSettings, seed: int) -> bool:
     """Give every target linear layer of ``model`` an adapter (A seeded from ``seed``,
-    B zero, so the model starts as its base) and freeze everything else.
+    B zero, so the model starts as its base) and freeze everything else; return whether
+    a saved module's weight is tied to another's (``peft_config``'s ``tied``).
 
     A target that names no linear layer of the model raises ``ConfigError`` listing
     the names that would.
@@ -72,22 +78,25 @@ def inject(model: torch.nn.Module, settings: LoraSettings, seed: int) -> None:
             f"--lora-target-modules {','.join(missing)} names no linear layer of this model; "
             f"its linear layers are: {', '.join(linear)}"
         )
-    _check_modules_to_save(model, settings.modules_to_save)
+    tied = _saved_modules_tied(model, settings.modules_to_save)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        inject_adapter_in_model(peft_config(settings), model)
+        inject_adapter_in_model(peft_config(settings, tied=tied), model)
     for name, param in model.named_parameters():
         param.requires_grad_(trains(name))
+    return tied
 
 
-def _check_modules_to_save(model: torch.nn.Module, names: tuple[str, ...]) -> None:
-    """Each name must end some module's name (peft's match) whose weights are its own:
-    a tied weight (the embedding of a tied head) would train one copy and serve both."""
+def _saved_modules_tied(model: torch.nn.Module, names: tuple[str, ...]) -> bool:
+    """Whether a module ``names`` match (peft's match: the name's end) shares a weight
+    with another module (a tied head's embedding). A name that matches nothing raises
+    ``ConfigError`` listing the modules that have weights."""
     modules = dict(model.named_modules())
-    owners: dict[int, list[str]] = {}
+    owners: dict[int, set[str]] = {}
     for module_name, module in modules.items():
         for param in module.parameters(recurse=False):
-            owners.setdefault(id(param), []).append(module_name)
+            owners.setdefault(id(param), set()).add(module_name)
+    tied = False
     for target in names:
         matched = [n for n in modules if n == target or n.endswith(f".{target}")]
         if not matched:
@@ -96,14 +105,9 @@ def _check_modules_to_save(model: torch.nn.Module, names: tuple[str, ...]) -> No
                 f"--lora-modules-to-save {target} names no module of this model; its modules "
                 f"with weights are: {', '.join(sorted(leaves))}"
             )
-        for module_name in matched:
-            for param in modules[module_name].parameters():
-                tied = [n for n in owners[id(param)] if n != module_name]
-                if tied:
-                    raise ConfigError(
-                        f"--lora-modules-to-save {target}: {module_name}'s weight is tied to "
-                        f"{tied[0]}'s; name modules whose weights are their own (e.g. norm)"
-                    )
+        params = (p for n in matched for p in modules[n].parameters())
+        tied = tied or any(len(owners[id(p)]) > 1 for p in params)
+    return tied
 
 
 def _owns_weights(module: torch.nn.Module) -> bool:
@@ -196,6 +200,7 @@ def write_peft_folder(
     adapters: Mapping[str, torch.Tensor],
     settings: LoraSettings,
     base_model: str | None,
+    tied: bool = False,
 ) -> Path:
     """Write ``adapters`` (wire names -> tensors) as a PEFT adapter folder at ``path``:
     ``adapter_config.json`` and ``adapter_model.safetensors``. Written beside ``path``
@@ -203,7 +208,7 @@ def write_peft_folder(
     from safetensors.torch import save_file
 
     with staged_folder(path) as staging:
-        peft_config(settings, base_model).save_pretrained(str(staging))
+        peft_config(settings, base_model, tied).save_pretrained(str(staging))
         tensors = {PEFT_PREFIX + n: t.detach().to("cpu").contiguous() for n, t in adapters.items()}
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return Path(path).absolute()
