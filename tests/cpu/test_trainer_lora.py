@@ -8,7 +8,8 @@ asynchronously (``--max-staleness 1``) through the object store into vLLM; the
 reference (the base) differs from the trained actor; ``--save-hf`` writes a PEFT
 adapter folder and ``--save-hf-merged`` a whole model that transformers loads;
 ``--lora-merge-on-sync`` sends the whole model every time, here on the multi-turn
-tool task.
+tool task through the disk transport with dynamic sampling; the vLLM run also trains
+the tied embedding and the norms in full (``--lora-modules-to-save``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def test_adapter_only_sync_into_vllm(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     out = tmp_path / "o"
     flags = ["--rollout-engine", "vllm", "--max-staleness", "1"]
+    # The tied embedding and the norms trained in full beside the adapters, synced too.
+    flags += ["--lora-modules-to-save", "embed_tokens,norm"]
     _train(*LORA, *flags, "--output-dir", str(out), cwd=tmp_path)
     _check_adapter_sync(_metrics(out))
 
@@ -64,6 +67,7 @@ def test_merge_on_sync_sends_the_whole_model(tmp_path: Path) -> None:
     out = tmp_path / "o"
     flags = ["--lora-rank", "4", "--num-rollout", "2", "--lora-merge-on-sync"]
     flags += ["--prompt-data", "builtin:lookup", "--rollout-batch-size", "4", "--max-turns", "2"]
+    flags += ["--weight-sync", "disk", "--dynamic-sampling-filter"]
     _train(*flags, "--output-dir", str(out), cwd=tmp_path)
     rows = _metrics(out)
     assert rows[0]["perf/weight_sync_bytes"] == rows[1]["perf/weight_sync_bytes"] > 0
