@@ -36,7 +36,8 @@ SMOKE = dict(
     hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, vocab=128, samples=8, group=4,
     prompt_min=4, prompt_max=8, response_median=8, response_max=16, steps=1, rank=4,
 )  # fmt: skip
-FLAGS: tuple[tuple[str, type, Any, str], ...] = (  # flag, type, default, help
+# The model and the adapters (bench/lora_engine.py takes the same).
+MODEL_FLAGS: tuple[tuple[str, type, Any, str], ...] = (  # flag, type, default, help
     ("threads", int, os.cpu_count(), "torch intra-op threads"),
     ("seed", int, 0, "of the weights and the rollout"),
     ("hidden", int, 768, "random Qwen3: hidden size"),
@@ -46,6 +47,11 @@ FLAGS: tuple[tuple[str, type, Any, str], ...] = (  # flag, type, default, help
     ("head-dim", int, 64, "per head"),
     ("intermediate", int, None, "MLP width (default 3 x hidden)"),
     ("vocab", int, 32768, "vocabulary"),
+    ("rank", int, 16, "LoRA rank"),
+    ("alpha", float, 32.0, "LoRA alpha"),
+)
+FLAGS = (
+    *MODEL_FLAGS,
     ("samples", int, 8, "rollout samples (one optimizer step)"),
     ("group", int, 4, "samples per prompt"),
     ("prompt-min", int, 8, "prompt length range"),
@@ -54,8 +60,6 @@ FLAGS: tuple[tuple[str, type, Any, str], ...] = (  # flag, type, default, help
     ("response-median", int, 48, ""),
     ("response-sigma", float, 0.6, ""),
     ("response-max", int, 128, ""),
-    ("rank", int, 16, "LoRA rank"),
-    ("alpha", float, 32.0, "LoRA alpha"),
     ("lr", float, 1e-5, "AdamW learning rate"),
     ("steps", int, 3, "timed train steps per path (after one warm-up step)"),
     ("bucket-mb", int, 64, "weight-sync bucket size"),

@@ -58,6 +58,7 @@ section "tests/gpu (limit ${TESTS_S}s)"
 # Qwen3-0.6B shape) is the one cut off.
 timeout "${TESTS_S}" "${PY}" -m pytest -q -rs --durations=0 --timeout "${TEST_S}" \
     tests/gpu/test_fsdp2_gpu.py tests/gpu/test_lora_gpu.py tests/gpu/test_vllm_gpu.py \
+    tests/gpu/test_vllm_lora_gpu.py \
     tests/gpu/test_async_gpu.py \
     tests/gpu/test_megatron_gpu.py \
     --junitxml="${OUT_DIR}/gpu-tests.xml" \

@@ -55,10 +55,15 @@ from vime.rollout.tool_loop import build_agent
 from vime.rollout.tools import load_tools
 from vime.step_timing import StepTiming
 from vime.tracking import Tracker, default_output_dir, quiet_library_progress_bars
-from vime.weights.lora import EngineLora, LoraSettings
+from vime.weights.lora import LoraSettings, engine_lora
 
 EMBEDDED_MODEL_DIR = "embedded_model"
 TRACE_FILE = "trace.json"
+# The start-up line's words for each engine-side LoRA receiver (vime.weights.lora).
+_LORA_RECEIVERS = {
+    "AdapterLoader": "as adapters the engine serves itself (the base once)",
+    "AdapterMerger": "as adapters merged on the engine (the base once)",
+}
 
 
 def run(args: Config, *, startup: perf.StartupClock | None = None) -> dict[str, Any]:
@@ -185,9 +190,14 @@ class Run:
             "gpu_memory_utilization": args.rollout_gpu_memory_utilization,
             "tiny_model": self.embedded,  # auto gives it the faster engine (resolve_engine)
         }
-        lora = LoraSettings.from_args(args)
-        if lora.enabled:  # the engines merge adapter-only syncs into their base
-            engine_options["lora"] = EngineLora(lora.scale, args.update_weight_buffer_size)
+        lora = engine_lora(
+            LoraSettings.from_args(args),
+            args.update_weight_buffer_size,
+            args.weight_sync,
+            args.vllm_lora,
+        )
+        if lora is not None:
+            engine_options["lora"] = lora
         self.turns = DeviceTurns(
             self.train_group,
             lambda: EngineGroup(
@@ -206,6 +216,11 @@ class Run:
             startup.together("trainer", "engines")
         engines = f"{self.engines.kind} ({self.engines.reason}), {layout.num_engines} engine(s)"
         self.log(f"vime: rollout engine {engines}")
+        if lora is not None:
+            how = _LORA_RECEIVERS[self.engines.lora_receiver]
+            if lora.settings.merge_on_sync or args.weight_sync == "disk":
+                how = "as merged weights, the whole model at every sync"
+            self.log(f"vime: LoRA syncs reach the engines {how}")
         if engine_cores is not None:  # as the processes see it, not as planned
             cores = f"training {self.train_group.cpu_cores()}, engines {self.engines.cpu_cores()}"
             self.log(f"vime: CPU cores split (--cpu-split): {cores}")

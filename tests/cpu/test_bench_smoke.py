@@ -6,7 +6,8 @@ gives the same loss and grad norm (the bench's own check, exit status 0). Also
 that vime's packed rows forward no padding while the naive rows do; and that the
 idle-engine and engine-update benches run and report, and that the vime-vs-TRL bench
 runs both trainers on the same prompt ids and weights (where TRL is installed), and that
-the LoRA bench holds and syncs less than full-weight training. No
+the LoRA bench holds and syncs less than full-weight training, and that the LoRA engine
+bench's two vLLM paths (its own LoRA, the merge) serve the same model. No
 timing is asserted: the figures depend on the machine and its load.
 """
 
@@ -204,3 +205,18 @@ def test_lora_bench_smoke(tmp_path: Path) -> None:
     assert lora["held"]["grads"] < full["held"]["grads"] / 4
     assert lora["held"]["optimizer"] < full["held"]["optimizer"] / 4
     assert lora["later_sync"] < full["later_sync"] / 4 < lora["first_sync"]
+
+
+def test_lora_engine_bench_smoke(tmp_path: Path) -> None:
+    """``bench/lora_engine.py --smoke``: vLLM with its own LoRA and vLLM merging the
+    adapters serve the same model (the probe's log-probs agree), and a later sync of the
+    native path loads adapters only."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "figures.json"
+    flags = ["--smoke", "--threads", "1", "--json", str(out)]
+    result = _run_bench("lora_engine.py", flags, timeout=300)
+    assert "native/merge" in result.stdout
+    figures = json.loads(out.read_text())
+    assert figures["probe_gap"] < 1e-4
+    assert len(figures["native"]["syncs"]) == len(figures["merge"]["rollouts"]) == 2
+    assert figures["native"]["tokens"] == figures["merge"]["tokens"] > 0

@@ -3,8 +3,9 @@
 Proves: every flag lands in the settings (rank, alpha -> scale, dropout, targets,
 merge-on-sync, modules to save); the default targets are every linear projection of a
 decoder block; a backend without LoRA (megatron) is refused naming it and fsdp2; LoRA
-flags without
-``--lora-rank`` and out-of-range values are refused.
+flags without ``--lora-rank`` and out-of-range values are refused, and so is
+``--vllm-lora on`` where vLLM's LoRA cannot serve the run (the hf engine, a rank
+past vLLM's, syncs of whole weights).
 """
 
 from __future__ import annotations
@@ -63,6 +64,23 @@ def test_flags_reach_the_settings() -> None:
         (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
         (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
         (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+        (["--vllm-lora", "off"], "--vllm-lora needs --lora-rank R"),
+        (
+            ["--lora-rank", "4", "--vllm-lora", "on", "--rollout-engine", "hf"],
+            "--vllm-lora on needs --rollout-engine vllm",
+        ),
+        (
+            ["--lora-rank", "1024", "--vllm-lora", "on"],
+            "vLLM serves LoRA ranks up to 512, not 1024; use --vllm-lora off",
+        ),
+        (
+            ["--lora-rank", "4", "--vllm-lora", "on", "--weight-sync", "disk"],
+            "--vllm-lora on: vLLM's LoRA serves adapters alone, and --weight-sync disk sends",
+        ),
+        (
+            ["--lora-rank", "4", "--vllm-lora", "on", "--lora-modules-to-save", "norm"],
+            "and --lora-modules-to-save sends the engines whole weights; drop one of the two",
+        ),
     ],
 )
 def test_bad_lora_flags_are_one_line(flags, message) -> None:

@@ -4,7 +4,9 @@ Proves: ``merge`` is ``W + (alpha/R)·B A`` in float32, cast to the base's dtype
 engine's merger keeps the base it was sent beside the first adapters and merges each
 later adapter-only set into it (layers without an adapter pass as they are); merged
 weights with no adapter pass through without replacing the kept base; adapters that
-arrive before any base, or name a layer with no base weight, are refused in one line.
+arrive before any base, or name a layer with no base weight, are refused in one line;
+an engine with LoRA of its own gets the adapters as they are only where every sync
+is not merged weights and no module trains in full beside them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vime.weights.lora import AdapterMerger, EngineLora, adapter_layer, adapter_names, merge
+from vime.weights.lora import (
+    AdapterLoader,
+    AdapterMerger,
+    EngineLora,
+    LoraSettings,
+    adapter_layer,
+    adapter_names,
+    engine_lora,
+    engine_receiver,
+    merge,
+)
 
 
 def test_merge_is_the_lora_formula_in_float32() -> None:
@@ -46,7 +58,7 @@ def test_the_merger_keeps_the_base_and_merges_each_adapter_set() -> None:
     def adapters() -> dict[str, torch.Tensor]:
         return {qa: torch.randn(2, 3, generator=g), qb: torch.randn(4, 2, generator=g)}
 
-    merger = AdapterMerger(EngineLora(scale=2.0, bucket_bytes=16))
+    merger = AdapterMerger(EngineLora(LoraSettings(rank=2, alpha=4.0), bucket_bytes=16))
     first = adapters()
     got = _flat(merger.expand([list(base.items()), list(first.items())]))
     assert got.keys() == base.keys()
@@ -70,8 +82,30 @@ def test_the_merger_keeps_the_base_and_merges_each_adapter_set() -> None:
 def test_adapters_without_a_base_are_refused() -> None:
     qa, qb = adapter_names("l.q")
     pair = [(qa, torch.zeros(1, 2)), (qb, torch.zeros(2, 1))]
-    merger = AdapterMerger(EngineLora(scale=1.0, bucket_bytes=64))
+    merger = AdapterMerger(EngineLora(LoraSettings(rank=2, alpha=2.0), bucket_bytes=64))
     with pytest.raises(ValueError, match="before the engine received the base"):
         list(merger.expand([pair]))
     with pytest.raises(ValueError, match=r"'l\.q', which has no base weight"):
         list(merger.expand([[("other.weight", torch.zeros(2, 2)), *pair]]))
+
+
+def test_an_engine_serves_the_adapters_itself_only_where_they_come_alone() -> None:
+    lora = LoraSettings(rank=4)
+    assert engine_lora(LoraSettings(), 1024, "broadcast") is None
+    assert engine_lora(lora, 1024, "broadcast") == EngineLora(lora, 1024, "auto")
+    assert engine_lora(lora, 1024, "broadcast", "on").native == "on"
+    merged = LoraSettings(rank=4, merge_on_sync=True)
+    saved = LoraSettings(rank=4, modules_to_save=("norm",))
+    assert engine_lora(merged, 1024, "broadcast", "on").native == "off"
+    assert engine_lora(saved, 1024, "object-store").native == "off"
+    assert engine_lora(lora, 1024, "disk").native == "off"  # its folder is the merged model
+    # auto: vLLM's LoRA on a GPU, the merge on the CPU; never for an engine without LoRA.
+    for native, cuda, kind in [
+        ("auto", True, AdapterLoader),
+        ("auto", False, AdapterMerger),
+        ("on", False, AdapterLoader),
+        ("off", True, AdapterMerger),
+    ]:
+        settings = EngineLora(lora, 1024, native)
+        assert isinstance(engine_receiver(settings, native_lora=True, cuda=cuda), kind)
+        assert isinstance(engine_receiver(settings, native_lora=False, cuda=cuda), AdapterMerger)

@@ -3,13 +3,15 @@
 Proves, on real processes: a LoRA run with the KL term syncs the base and the
 adapters once, then the adapters alone (each later sync moves a fraction of the first's
 bytes, measured on the engine), and the engines still score the probe as the trainer
-does, colocated through the gloo broadcast streamed a tensor a bucket (hf engine) and
-asynchronously (``--max-staleness 1``) through the object store into vLLM; the
-reference (the base) differs from the trained actor; ``--save-hf`` writes a PEFT
-adapter folder and ``--save-hf-merged`` a whole model that transformers loads;
-``--lora-merge-on-sync`` sends the whole model every time, here on the multi-turn
-tool task through the disk transport with dynamic sampling; the vLLM run also trains
-the tied embedding and the norms in full (``--lora-modules-to-save``).
+does: colocated through the gloo broadcast streamed a tensor a bucket into the hf
+engine, which merges them, with the tied embedding and the norms trained in full
+beside them (``--lora-modules-to-save``); asynchronously (``--max-staleness 1``)
+through the object store into vLLM, which serves each sync's adapters with its own
+LoRA (``--vllm-lora on``; by default only with CUDA). The reference (the base)
+differs from the trained actor; ``--save-hf`` writes a PEFT adapter folder and
+``--save-hf-merged`` a whole model that transformers loads; ``--lora-merge-on-sync``
+sends the whole model every time, here on the multi-turn tool task through the disk
+transport with dynamic sampling.
 """
 
 from __future__ import annotations
@@ -36,14 +38,16 @@ def test_adapter_only_sync_over_broadcast_and_the_exports(tmp_path: Path) -> Non
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "o"
-    _train(
+    result = _train(
         *LORA,
         *("--rollout-engine", "hf", "--weight-sync", "broadcast", "--colocate"),
         *("--update-weight-buffer-size", "4096"),
+        *("--lora-modules-to-save", "embed_tokens,norm"),
         *("--output-dir", str(out), "--save-hf-merged", str(tmp_path / "merged")),
         cwd=tmp_path,
     )
     _check_adapter_sync(_metrics(out))
+    assert "LoRA syncs reach the engines as adapters merged on the engine" in result.stdout
     # The embedded default's export (--save-hf) is the adapter folder for its base.
     assert sorted(p.name for p in (out / "model").iterdir()) == [
         "adapter_config.json",
@@ -53,14 +57,13 @@ def test_adapter_only_sync_over_broadcast_and_the_exports(tmp_path: Path) -> Non
 
 
 def test_adapter_only_sync_into_vllm(tmp_path: Path) -> None:
-    """Where vLLM imports (always under CI): the merged weights reach its workers."""
+    """Where vLLM imports (always under CI): vLLM serves the adapters itself."""
     pytest.importorskip("vllm")
     out = tmp_path / "o"
-    flags = ["--rollout-engine", "vllm", "--max-staleness", "1"]
-    # The tied embedding and the norms trained in full beside the adapters, synced too.
-    flags += ["--lora-modules-to-save", "embed_tokens,norm"]
-    _train(*LORA, *flags, "--output-dir", str(out), cwd=tmp_path)
+    flags = ["--rollout-engine", "vllm", "--max-staleness", "1", "--vllm-lora", "on"]
+    result = _train(*LORA, *flags, "--output-dir", str(out), cwd=tmp_path)
     _check_adapter_sync(_metrics(out))
+    assert "LoRA syncs reach the engines as adapters the engine serves itself" in result.stdout
 
 
 def test_merge_on_sync_sends_the_whole_model(tmp_path: Path) -> None:

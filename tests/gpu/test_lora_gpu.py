@@ -4,8 +4,8 @@ Proves: with ``--lora-rank`` and bf16 compute the frozen base lives on the GPU i
 and only the adapters are fp32 with AdamW state, so the trainer holds far less than a
 full-weight actor of the same model; the LoRA actor's log-probs before training, and
 its reference (adapters off) after two optimizer steps, equal the full-weight actor's
-log-probs; the steps moved the adapters. vLLM's own LoRA path is not used (the engines
-merge the adapters: ``vime.weights.lora``). Skipped without CUDA (``conftest.py``).
+log-probs; the steps moved the adapters. vLLM's own LoRA on the GPU:
+``test_vllm_lora_gpu.py``. Skipped without CUDA (``conftest.py``).
 """
 
 from __future__ import annotations

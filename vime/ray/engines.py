@@ -30,7 +30,7 @@ from vime.ray.placement import Layout, Placement, label_actor, pin_process, proc
 from vime.ray.transports import transport_class
 from vime.rollout import registry
 from vime.rollout.types import Completion, SamplingParams
-from vime.weights.lora import AdapterMerger, EngineLora
+from vime.weights.lora import AdapterLoader, EngineLora, engine_receiver
 from vime.weights.update_stream import UpdateStream
 
 # Set in every engine actor's process before it starts. OpenMP (the libgomp that torch
@@ -103,11 +103,16 @@ class EngineActor:
 
     def __init__(self, kind: str, checkpoint: str, options: dict[str, Any]) -> None:
         options = dict(options)
-        # LoRA's adapter-only syncs are merged here, whatever the engine and transport.
         lora: EngineLora | None = options.pop("lora", None)
-        self._merger = AdapterMerger(lora) if lora is not None else None
         kind, self.reason = registry.resolve_engine(kind, options.get("tiny_model", False))
         self.kind = kind
+        # LoRA's adapter-only syncs: served by the engine's own LoRA, or merged here.
+        self._lora = None
+        if lora is not None:
+            native_lora = registry.get_engine(kind).native_lora
+            self._lora = engine_receiver(lora, native_lora, vime_device.cuda_available())
+            if isinstance(self._lora, AdapterLoader):
+                options["max_lora_rank"] = lora.settings.rank
         threads = options.get("num_threads")
         cores = options.get("cpu_cores")
         if cores:  # cores of its own (asynchronous rollout on the CPU): threads follow
@@ -130,6 +135,11 @@ class EngineActor:
     def choice(self) -> tuple[str, str]:
         """``(engine, reason)``, as ``resolve_engine`` gave them in this process."""
         return self.kind, self.reason
+
+    def lora_receiver(self) -> str | None:
+        """How LoRA syncs reach the engine: ``AdapterLoader`` (its own LoRA) or
+        ``AdapterMerger``; None without LoRA."""
+        return None if self._lora is None else type(self._lora).__name__
 
     def _same_threads(self) -> int:
         """Give the calling thread the intra-op threads the engine was built with. The
@@ -185,10 +195,11 @@ class EngineActor:
         return self.engine.weight_version
 
     def _update(self, buckets: Iterable[list[Any]], version: int) -> None:
-        """The engine's update, adapter-only syncs merged first (``vime.weights.lora``)."""
-        if self._merger is not None:
-            buckets = self._merger.expand(buckets)
-        self.engine.update_weights(buckets, version)
+        """The engine's update; with LoRA through its receiver (``vime.weights.lora``)."""
+        if self._lora is not None:
+            self._lora.update(self.engine, buckets, version)
+        else:
+            self.engine.update_weights(buckets, version)
 
     def stream_bucket(self, receive: Callable[[], list[Any]]) -> None:
         """Receive a bucket and hand it to this sync's update (the first bucket starts it;
@@ -288,6 +299,8 @@ class EngineGroup:
                 "install vllm alike on every node or name the engine"
             )
         self.kind, self.reason = choices[0]
+        # How LoRA syncs reach the engines (alike: they chose one engine kind).
+        self.lora_receiver = wait_all([self.actors[0].lora_receiver.remote()], "reading LoRA")[0]
         tp = options.get("tensor_parallel_size", 1)
         if tp > 1 and not registry.get_engine(self.kind).tensor_parallel:
             # auto, on machines where vLLM does not import

@@ -3,7 +3,8 @@
 Where it fits: ``vime.rollout.registry`` names one builder per engine
 (``EngineSpec.builder``); ``vime.ray.engines.EngineActor`` calls it in the engine's
 own process with the checkpoint folder and the options ``vime.trainer`` put together
-(``tensor_parallel_size``, ``seed``, ``max_model_len``, ``gpu_memory_utilization``;
+(``tensor_parallel_size``, ``seed``, ``max_model_len``, ``gpu_memory_utilization``,
+``max_lora_rank`` where the engine serves LoRA itself;
 the actor itself reads ``num_threads`` and ``tiny_model``). Each builder imports its
 engine only when called, and reads what it needs from the checkpoint's config.json
 (the dtype it was saved in, its context window).
@@ -44,6 +45,7 @@ def build_vllm(checkpoint: str, options: dict[str, Any]) -> Any:
         dtype=checkpoint_dtype(config),
         max_model_len=engine_max_model_len(config, options.get("max_model_len")),
         gpu_memory_utilization=options.get("gpu_memory_utilization", 0.5),
+        max_lora_rank=options.get("max_lora_rank"),
     )
 
 

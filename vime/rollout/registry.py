@@ -33,6 +33,8 @@ class EngineSpec:
     ``tensor_parallel``: one engine may span several GPUs.
     ``in_flight_updates``: it takes new weights while it generates, between two decode
     steps (what ``--max-staleness`` >= 1 needs; ``vime.rollout.step_gate``).
+    ``native_lora``: it serves a LoRA adapter on top of its weights itself: its builder
+    takes ``max_lora_rank`` and the engine has ``load_adapter`` (``vime.weights.lora``).
     """
 
     name: str
@@ -44,6 +46,7 @@ class EngineSpec:
     validate: str | None = None
     tensor_parallel: bool = False
     in_flight_updates: bool = False
+    native_lora: bool = False
 
 
 _SPECS = (
@@ -57,6 +60,7 @@ _SPECS = (
         validate="vime.rollout.engine_flags:validate_vllm_flags",
         tensor_parallel=True,
         in_flight_updates=True,
+        native_lora=True,
     ),
     EngineSpec(
         name="hf",

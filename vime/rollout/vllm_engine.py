@@ -4,8 +4,10 @@ Where it fits: one implementation of the ``RolloutEngine`` contract
 (``vime.rollout.types``) next to ``hf_engine``. ``RolloutManager`` calls
 ``generate`` every rollout step; the weight transport calls ``update_weights``
 with the HF-named buckets the training backend streams; colocated GPU runs call
-``sleep`` / ``wake_up`` around training. vLLM is imported only when an engine
-is built, so importing this module is cheap.
+``sleep`` / ``wake_up`` around training; a LoRA run's adapter-only syncs reach
+``load_adapter`` (vLLM's own LoRA: one adapter, replaced in place at each sync;
+``vime.weights.lora.AdapterLoader``). vLLM is imported only when an engine is built,
+so importing this module is cheap.
 
 Log-prob semantics (what training compares against ``vime.data.micro_batch``):
 the engine runs with ``logprobs_mode="processed_logprobs"``, so a sampled
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 
 from vime import device as vime_device
+from vime.rollout.engine_flags import VLLM_LORA_RANKS
 from vime.rollout.step_gate import StepGate
 from vime.rollout.types import MEMORY_TAGS, Completion, SamplingParams, wake_tags
 
@@ -311,6 +314,7 @@ class VLLMEngine:
         seed: int = 0,
         max_model_len: int | None = None,
         enforce_eager: bool | None = None,
+        max_lora_rank: int | None = None,
     ) -> None:
         """Start an engine serving the HF checkpoint folder ``checkpoint``.
 
@@ -321,7 +325,8 @@ class VLLMEngine:
         to on without CUDA: vLLM 0.32's CPU torch.compile cache fails to reload
         (it recompiles at every start, ~10 s) and eager decoding of small
         models was no slower here; with CUDA, vLLM's default (compiled, CUDA
-        graphs).
+        graphs). ``max_lora_rank``: serve one LoRA adapter of up to that rank on top of
+        the weights (``load_adapter``); None: no LoRA.
         """
         on_cuda = _on_cuda()
         if not on_cuda:
@@ -355,6 +360,8 @@ class VLLMEngine:
         # Weight loads begun: the prefix-cache salt of the requests added after them.
         self._loads = 0
         self._score_lock = threading.Lock()  # one temperature at a time for prompt logits
+        self._lora_enabled = max_lora_rank is not None
+        self._adapter: Any = None  # the LoRARequest new requests are served with, or None
         # Whole calls: generations may overlap each other, a score runs alone and goes
         # before the next generation (a score sharing a generation's engine steps could
         # leave that generation stepping for ever: seen once in CI).
@@ -380,6 +387,7 @@ class VLLMEngine:
                 worker_extension_cls=_WORKER_EXTENSION,
                 enforce_eager=not on_cuda if enforce_eager is None else enforce_eager,
                 use_tqdm_on_load=False,
+                **_lora_options(max_lora_rank),
             )
         # vLLM's CPU attention plans for the intra-op thread count the engine was built
         # with and refuses to run on another; torch's count is per thread, and calls come
@@ -485,7 +493,9 @@ class VLLMEngine:
                         for request_id, (prompt, sampling) in zip(ids, requests, strict=True):
                             sampling.output_kind = RequestOutputKind.FINAL_ONLY
                             prompt_input = tokens_input(prompt, cache_salt=salt)
-                            engine.add_request(request_id, prompt_input, sampling)
+                            engine.add_request(
+                                request_id, prompt_input, sampling, lora_request=self._adapter
+                            )
                             pending.add(request_id)
                     if self._finished:  # finished in another caller's steps
                         for request_id in pending & self._finished.keys():
@@ -598,6 +608,33 @@ class VLLMEngine:
                 save_file(tensors, paths[-1])
             self._reload("vime_reload_from_files", paths, version)
 
+    def load_adapter(self, folder: str | None, version: int) -> None:
+        """Serve the PEFT adapter folder ``folder`` on top of the weights from now on, in
+        place of the last (None: the weights alone), as ``version``.
+
+        One adapter id, reloaded in place (vLLM's ``load_inplace``) between two engine
+        steps, like new weights (``update_weights``): requests in flight go on with the
+        new adapter, and their prefixes cached before it are not reused. vLLM reads the
+        folder during this call.
+        """
+        from vllm.lora.request import LoRARequest
+
+        if folder is not None and not self._lora_enabled:
+            raise RuntimeError("VLLMEngine: load_adapter needs an engine built with max_lora_rank")
+        self._same_threads()
+        with self.gate.load():
+            self._check_awake(("weights",))
+            self._loads += 1
+            if folder is None:
+                self._adapter = None
+            else:
+                self._llm.llm_engine.add_lora(
+                    LoRARequest(_ADAPTER_NAME, _ADAPTER_ID, folder, load_inplace=True)
+                )
+                # Requests name the adapter without reloading it at every step.
+                self._adapter = LoRARequest(_ADAPTER_NAME, _ADAPTER_ID, folder)
+            self.weight_version = version
+
     def _reload(self, method: str, weights: Any, version: int) -> None:
         """Worker RPC ``method`` with ``weights``, between two engine steps."""
         with self.gate.load():
@@ -648,6 +685,24 @@ class VLLMEngine:
             raise RuntimeError(
                 f"VLLMEngine: {' and '.join(asleep)} asleep; call wake_up() before using it"
             )
+
+
+# The one adapter an engine serves (``load_adapter``): vLLM's ids start at 1.
+_ADAPTER_NAME, _ADAPTER_ID = "vime-lora", 1
+
+
+def _lora_options(max_lora_rank: int | None) -> dict[str, Any]:
+    """vLLM's LoRA arguments for one adapter of rank up to ``max_lora_rank``: the
+    smallest rank vLLM sizes for that holds it (an adapter of lower rank is padded)."""
+    if max_lora_rank is None:
+        return {}
+    fits = [r for r in VLLM_LORA_RANKS if r >= max_lora_rank]
+    if not fits:
+        raise ValueError(
+            f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {max_lora_rank}: "
+            "use a lower --lora-rank, or --vllm-lora off"
+        )
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
 
 def reload_dir(checkpoint: str, shm: str = _SHM) -> str | None:

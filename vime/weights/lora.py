@@ -8,28 +8,39 @@ Where it fits: with ``--lora-rank R`` the trainer trains only low-rank adapters
 and the weights an engine serves are the merge ``W' = W + s · B A`` (``merge``).
 A sync either sends ``W'`` for every layer (``--lora-merge-on-sync``, and the
 ``disk`` transport, whose folder is a whole HF checkpoint), or sends the frozen
-base ``W`` once and then only ``A`` and ``B``: an ``AdapterMerger`` on the engine
-keeps the base and computes ``W'`` there with the same function, so both paths
-give the engine the same bits. On the wire an adapter is two tensors named after
-its layer, ``<layer>.lora_A.weight`` and ``<layer>.lora_B.weight`` (PEFT's saved
-names without its ``base_model.model.`` prefix), in float32. A module trained in
-full beside them (``--lora-modules-to-save``) travels under its own HF name at every
-sync, and the merger keeps it as the base it is.
+base ``W`` once and then only ``A`` and ``B``. On the engine one of two receivers
+takes those: ``AdapterLoader`` hands an engine that serves LoRA itself (vLLM) the
+base as weights and each sync's adapters as a PEFT folder, a new adapter version
+in place of the last; ``AdapterMerger`` keeps the base and computes ``W'`` with the
+same function the trainer's merged sync uses, so both give the engine the same
+bits. On the wire an adapter is two tensors named after its layer,
+``<layer>.lora_A.weight`` and ``<layer>.lora_B.weight`` (PEFT's saved names without
+its ``base_model.model.`` prefix), in float32. A module trained in full beside them
+(``--lora-modules-to-save``) travels under its own HF name at every sync, and the
+merger keeps it as the base it is (an engine's own LoRA cannot serve it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from vime.config.lora_flags import DEFAULT_ALPHA, DEFAULT_TARGETS
 from vime.weights.buckets import Bucket, WeightEntry, entries_from_state_dict, iter_buckets
+from vime.weights.hf_export import staged_folder
 
 A_SUFFIX = ".lora_A.weight"
 B_SUFFIX = ".lora_B.weight"
+PEFT_PREFIX = "base_model.model."
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -66,11 +77,33 @@ class LoraSettings:
 
 @dataclass(frozen=True)
 class EngineLora:
-    """What an engine needs to merge adapter-only syncs: the scale and the bucket size
-    its merged weights are handed to the engine in."""
+    """What an engine needs for adapter-only syncs: the adapters' settings, the bucket
+    size merged weights are handed to the engine in, and whether an engine that serves
+    LoRA itself loads the adapters as they are (``native``: ``on``, ``off``, or ``auto``:
+    on where it computes on a GPU; on the CPU vLLM decodes 3x slower with its LoRA than
+    with merged weights, bench/README.md)."""
 
-    scale: float
+    settings: LoraSettings
     bucket_bytes: int
+    native: str = "auto"
+
+    @property
+    def scale(self) -> float:
+        return self.settings.scale
+
+
+def engine_lora(
+    settings: LoraSettings, bucket_bytes: int, transport: str, native: str = "auto"
+) -> EngineLora | None:
+    """The engines' part of a LoRA run (None without LoRA). An engine's own LoRA serves
+    adapters only: not where every sync is merged weights (``--lora-merge-on-sync``, the
+    ``disk`` transport's checkpoint folder), nor beside modules trained in full."""
+    if not settings.enabled:
+        return None
+    merged = settings.merge_on_sync or transport == "disk"
+    if merged or settings.modules_to_save:
+        native = "off"
+    return EngineLora(settings, bucket_bytes, native)
 
 
 def adapter_names(layer: str) -> tuple[str, str]:
@@ -114,6 +147,10 @@ class AdapterMerger:
         self.settings = settings
         self.base: dict[str, torch.Tensor] = {}  # HF name -> the frozen weight, on the host
 
+    def update(self, engine: Any, buckets: Iterable[Bucket], version: int) -> None:
+        """One sync into ``engine``: the merged set, as its ``update_weights`` takes it."""
+        engine.update_weights(self.expand(buckets), version)
+
     def expand(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
         adapters: dict[str, torch.Tensor] = {}
         base: list[tuple[str, torch.Tensor]] = []
@@ -151,3 +188,111 @@ class AdapterMerger:
                 weight.nbytes,
                 lambda w=weight, a=a, b=b: merge(w, a, b, scale, w.dtype),
             )
+
+
+class AdapterEngine(Protocol):
+    """An engine that serves a PEFT adapter on top of its weights (``EngineSpec.native_lora``)."""
+
+    def update_weights(self, buckets: Iterable[Bucket], version: int) -> None: ...
+
+    def load_adapter(self, folder: str | None, version: int) -> None: ...
+
+
+class AdapterLoader:
+    """The engine side of an adapter-only sync, for an engine with LoRA of its own.
+
+    ``update`` passes a sync's base weights (the first sync's, or merged ones) to the
+    engine's ``update_weights`` as they stream by, and writes its adapters as a PEFT
+    folder that the engine's ``load_adapter`` then serves, in place of the last: the
+    weights stay the base, and each sync moves and loads the adapters alone. A sync of
+    merged weights without adapters leaves the engine serving them bare.
+    """
+
+    def __init__(self, settings: EngineLora) -> None:
+        self.settings = settings
+        self._root = tempfile.TemporaryDirectory(prefix="vime-lora-", dir=_ram_dir())
+        self._served: Path | None = None
+
+    def update(self, engine: AdapterEngine, buckets: Iterable[Bucket], version: int) -> None:
+        adapters: dict[str, torch.Tensor] = {}
+
+        def base_weights() -> Iterator[Bucket]:
+            for bucket in buckets:
+                base = []
+                for name, tensor in bucket:
+                    if adapter_layer(name) is None:
+                        base.append((name, tensor))
+                    else:
+                        adapters[name] = tensor.detach().to("cpu", torch.float32)
+                if base:
+                    yield base
+
+        stream = base_weights()
+        first = next(stream, None)
+        if first is not None:
+            engine.update_weights(itertools.chain([first], stream), version)
+        elif not adapters:
+            raise ValueError("a weight sync brought the engine no weights and no adapters")
+        folder = None
+        if adapters:
+            folder = Path(self._root.name) / f"v{version}"
+            write_peft_folder(folder, adapters, self.settings.settings, base_model=None)
+        engine.load_adapter(None if folder is None else str(folder), version)
+        if self._served is not None and self._served != folder:  # read by the load above
+            shutil.rmtree(self._served, ignore_errors=True)
+        self._served = folder
+
+
+def engine_receiver(
+    settings: EngineLora, native_lora: bool, cuda: bool
+) -> AdapterLoader | AdapterMerger:
+    """The receiver of an engine's LoRA syncs: its own LoRA where it has one
+    (``native_lora``) and ``settings.native`` says so (``auto``: on ``cuda``), else the
+    merge."""
+    wanted = settings.native == "on" or (settings.native == "auto" and cuda)
+    return AdapterLoader(settings) if native_lora and wanted else AdapterMerger(settings)
+
+
+def _ram_dir() -> str | None:
+    """RAM-backed /dev/shm for the adapters' folders where there is one."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def peft_config(
+    settings: LoraSettings, base_model: str | None = None, tied: bool = False
+) -> object:
+    """The ``peft.LoraConfig`` of ``settings`` (no bias training; the plain LoRA scale).
+    ``tied``: a saved module's weight is tied to another module's, whose wrapper then
+    shares the trained copy (peft's ``ensure_weight_tying``)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        ensure_weight_tying=tied,
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        modules_to_save=list(settings.modules_to_save) or None,
+        bias="none",
+        base_model_name_or_path=base_model,
+    )
+
+
+def write_peft_folder(
+    path: str | os.PathLike[str],
+    adapters: Mapping[str, torch.Tensor],
+    settings: LoraSettings,
+    base_model: str | None,
+    tied: bool = False,
+) -> Path:
+    """Write ``adapters`` (wire names -> tensors) as a PEFT adapter folder at ``path``:
+    ``adapter_config.json`` and ``adapter_model.safetensors``, what
+    ``PeftModel.from_pretrained`` loads onto the base checkpoint. Written beside
+    ``path`` and renamed into place once complete, so ``path`` is never half-written."""
+    from safetensors.torch import save_file
+
+    with staged_folder(path) as staging:
+        peft_config(settings, base_model, tied).save_pretrained(str(staging))
+        tensors = {PEFT_PREFIX + n: t.detach().to("cpu").contiguous() for n, t in adapters.items()}
+        save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    return Path(path).absolute()

@@ -36,7 +36,7 @@ from vime.backends.fsdp2 import lora as fsdp_lora
 from vime.backends.fsdp2 import model as fsdp_model
 from vime.backends.policy_actor import PolicyTrainActor
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
-from vime.weights.lora import LoraSettings, merge
+from vime.weights.lora import LoraSettings, merge, write_peft_folder
 
 
 class FSDP2Actor(PolicyTrainActor):
@@ -221,9 +221,7 @@ class FSDP2Actor(PolicyTrainActor):
             if p.requires_grad
         }
         if self.rank == 0:
-            fsdp_lora.write_peft_folder(
-                path, adapters, self.lora, self.args.hf_checkpoint, self._saved_tied
-            )
+            write_peft_folder(path, adapters, self.lora, self.args.hf_checkpoint, self._saved_tied)
 
     def _release_gathered(self) -> None:
         for module in self.model.modules():

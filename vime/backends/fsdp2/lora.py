@@ -7,25 +7,19 @@ the HF model (no ``PeftModel`` wrapper): decoder blocks, ``fully_shard`` and the
 forward are unchanged; the base weights are frozen, the adapters are the only
 trainable parameters. ``adapters_disabled`` turns the model back into its base,
 which is the KL reference. ``wire_name`` maps a parameter to the HF / wire name
-(``vime.weights.lora``), and ``write_peft_folder`` writes what
-``PeftModel.from_pretrained`` loads onto the base checkpoint.
+(``vime.weights.lora``, which also writes the PEFT folder of an export).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
 from vime.config.errors import ConfigError
-from vime.weights.hf_export import staged_folder
-from vime.weights.lora import LoraSettings
+from vime.weights.lora import LoraSettings, peft_config
 
-PEFT_PREFIX = "base_model.model."
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _ADAPTER = "default"  # peft's name of the one adapter
 _SAVED, _ORIGINAL = "modules_to_save", "original_module"  # peft's ModulesToSaveWrapper
 
@@ -39,26 +33,6 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
 
 def _is_linear(module: torch.nn.Module) -> bool:
     return type(module) is torch.nn.Linear
-
-
-def peft_config(
-    settings: LoraSettings, base_model: str | None = None, tied: bool = False
-) -> object:
-    """The ``peft.LoraConfig`` of ``settings`` (no bias training; the plain LoRA scale).
-    ``tied``: a saved module's weight is tied to another module's, whose wrapper then
-    shares the trained copy (peft's ``ensure_weight_tying``)."""
-    from peft import LoraConfig
-
-    return LoraConfig(
-        ensure_weight_tying=tied,
-        r=settings.rank,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules),
-        modules_to_save=list(settings.modules_to_save) or None,
-        bias="none",
-        base_model_name_or_path=base_model,
-    )
 
 
 def inject(model: torch.nn.Module, settings: LoraSettings, seed: int) -> bool:
@@ -193,22 +167,3 @@ def set_dropout(model: torch.nn.Module, training: bool) -> None:
     for layer in adapter_layers(model):
         for dropout in getattr(layer, "lora_dropout", {}).values():
             dropout.train(training)
-
-
-def write_peft_folder(
-    path: str | os.PathLike[str],
-    adapters: Mapping[str, torch.Tensor],
-    settings: LoraSettings,
-    base_model: str | None,
-    tied: bool = False,
-) -> Path:
-    """Write ``adapters`` (wire names -> tensors) as a PEFT adapter folder at ``path``:
-    ``adapter_config.json`` and ``adapter_model.safetensors``. Written beside ``path``
-    and renamed into place once complete, so ``path`` is never half-written."""
-    from safetensors.torch import save_file
-
-    with staged_folder(path) as staging:
-        peft_config(settings, base_model, tied).save_pretrained(str(staging))
-        tensors = {PEFT_PREFIX + n: t.detach().to("cpu").contiguous() for n, t in adapters.items()}
-        save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    return Path(path).absolute()
