@@ -26,7 +26,7 @@ from vime.data.tasks import CHARSET, LOOKUP_TOOLS, _lookup_table
 from vime.models.embedded import EOS_ID, build_tokenizer
 from vime.rollout.agent import CALLS_PER_SAMPLE, AgentRollouts
 from vime.rollout.tool_loop import ToolLoop, ToolLoopSettings, build_agent
-from vime.rollout.tools import Toolbox, load_tools
+from vime.rollout.tools import Toolbox, ToolSettings, load_tools
 from vime.rollout.types import Completion, SamplingParams
 
 
@@ -158,7 +158,7 @@ def test_chat_every_error_kind_is_read_by_the_model_and_counted(chat, box) -> No
     """Malformed JSON, an unknown tool, bad arguments, a raising tool and a timeout:
     each becomes a tool turn the next generation sees; the run goes on."""
     eot = chat.convert_tokens_to_ids("<|im_end|>")
-    settings = ToolLoopSettings(max_turns=8, timeout_s=0.3)
+    settings = ToolLoopSettings(max_turns=8, tools=ToolSettings(timeout_s=0.3))
     loop = ToolLoop(box, chat, settings, stop_token_ids=[eot])
     script = [
         "<tool_call>\n{not json}\n</tool_call>",
@@ -193,7 +193,7 @@ def test_chat_tool_turns_are_the_template_tail_and_outputs_truncate(chat, box) -
     """The appended ids are the template's rendering of the tool turn (token in, token
     out: the model's ids are kept as generated); a long answer is cut to its tokens."""
     eot = chat.convert_tokens_to_ids("<|im_end|>")
-    settings = ToolLoopSettings(max_output_tokens=3)
+    settings = ToolLoopSettings(tools=ToolSettings(max_output_tokens=3))
     loop = ToolLoop(box, chat, settings, stop_token_ids=[eot])
     engine = ScriptedEngine(chat, [[_call("lookup", '{"key": "pi"}'), "Pi."]], eot)
     (c,), _ = _run(loop, engine, ["What is pi?"], budget=4000)
@@ -239,7 +239,9 @@ def test_build_agent_refusals_and_choices(chat, chars, tmp_path: Path) -> None:
     assert isinstance(build_agent(args, chars, None, box).fn, ToolLoop)
     limits = ["--max-turns", "3", "--tool-timeout", "2.5", "--tool-max-output-tokens", "5"]
     tuned = parse_args(["--tools", "vime.data.tasks:LOOKUP_TOOLS", *limits])
-    assert build_agent(tuned, chars, None, box).fn.settings == ToolLoopSettings(3, 2.5, 5)
+    assert build_agent(tuned, chars, None, box).fn.settings == ToolLoopSettings(
+        3, ToolSettings(2.5, 5)
+    )
     assert build_agent(tuned, chars, None, box).budget == tuned.rollout_max_response_len
     assert build_agent(parse_args([]), chars, None, None) is None
     custom = build_agent(

@@ -184,9 +184,11 @@ def test_bad_specs_are_one_line_config_errors(tools_file: Path) -> None:
         assert message in str(caught.value) and "\n" not in str(caught.value), spec
     with pytest.raises(ConfigError, match="two tools are named 'twice'; tool names must be"):
         Toolbox([twice, twice])
-    with pytest.raises(ConfigError, match="tool timeout must be > 0 seconds, got 0"):
+    with pytest.raises(ConfigError, match="--tool-timeout must be > 0 seconds, got 0"):
         ToolSettings(timeout_s=0)
-    assert ToolSettings().max_output_tokens == 1024
+    with pytest.raises(ConfigError, match="--tool-max-output-tokens must be >= 1, got 0"):
+        ToolSettings(max_output_tokens=0)
+    assert ToolSettings().max_output_tokens == 256
 
 
 # ---------------------------------------------------------------- running

@@ -430,8 +430,9 @@ def _check_agent(args: argparse.Namespace) -> None:
             "--tools and --custom-generate-function-path both generate the trajectories; "
             "give one (a custom function can run tools itself)"
         )
-    if not args.tool_timeout > 0:
-        raise ConfigError(f"--tool-timeout must be > 0 seconds, got {args.tool_timeout}")
+    from vime.rollout.tool_loop import ToolLoopSettings
+
+    ToolLoopSettings.from_args(args)  # its limits' checks, at parse time
     if args.tools is not None:
         from vime.rollout.tools import load_tools
 

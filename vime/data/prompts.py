@@ -242,6 +242,14 @@ def _kind(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
+def as_messages(text: str | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A prompt row as chat messages: a message list as is (copies), a string as one
+    user turn."""
+    if isinstance(text, str):
+        return [{"role": "user", "content": text}]
+    return [dict(m) for m in text]
+
+
 def render_prompt(
     text: str | list[dict],
     tokenizer: Any,
@@ -263,7 +271,7 @@ def render_prompt(
             raise ConfigError(
                 "--apply-chat-template: the tokenizer has no chat template; drop the flag"
             )
-        messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+        messages = as_messages(text)
         extra = {"tools": tools} if tools else {}
         out = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, **extra

@@ -45,6 +45,7 @@ from vime.config.errors import ConfigError
 from vime.data.batch import RolloutBatch
 from vime.data.prompts import Prompt, PromptSource
 from vime.rollout.agent import AgentRollouts
+from vime.rollout.decoding import decode_turns, stop_token_ids
 from vime.rollout.rewards import RewardInput, RewardScorer
 from vime.rollout.tools import ERROR_KINDS
 from vime.rollout.types import Completion, SamplingParams
@@ -96,10 +97,7 @@ class RolloutManager:
         self.is_correct = is_correct
         self.warn = warn
         self.agent = agent
-        stops = list(args.rollout_stop_token_ids)
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stops:
-            stops.append(tokenizer.eos_token_id)
-        self.stop_token_ids = tuple(stops)
+        self.stop_token_ids = stop_token_ids(args.rollout_stop_token_ids, tokenizer.eos_token_id)
         self.advantage_fn = compute_advantages
         if args.custom_advantage_function_path:
             self.advantage_fn = load_function(
@@ -228,10 +226,12 @@ class RolloutManager:
         # response, and the whole of it, tool turns included, as the trajectory.
         answers = [c.response_ids[_agent(c).get("answer_start", 0) :] for c in flat]
         texts = self.decode_all(answers)
-        whole = [
-            self.decode_all([c.response_ids])[0] if _agent(c).get("answer_start") else text
-            for c, text in zip(flat, texts, strict=True)
-        ]
+        # Only a trajectory with turns before its answer reads differently as a whole.
+        longer = [k for k, c in enumerate(flat) if _agent(c).get("answer_start")]
+        whole = list(texts)
+        decoded = self.decode_all([flat[k].response_ids for k in longer])
+        for k, text in zip(longer, decoded, strict=True):
+            whole[k] = text
         n = len(completions[0]) if completions else 0
         inputs = [
             RewardInput(
@@ -270,15 +270,8 @@ class RolloutManager:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def decode_all(self, responses: Sequence[Sequence[int]]) -> list[str]:
-        """Each response as the reward sees it, in one tokenizer call: the final stop token
-        removed, every other token kept, special ones included. Skipping special tokens
-        would make them free filler: a policy learns to pad wrong answers with them
-        instead of stopping."""
-        trimmed = [
-            list(ids[:-1]) if ids and ids[-1] in self.stop_token_ids else list(ids)
-            for ids in responses
-        ]
-        return self.tokenizer.batch_decode(trimmed, skip_special_tokens=False)
+        """Each response as the reward sees it (``vime.rollout.decoding.decode_turns``)."""
+        return decode_turns(self.tokenizer, responses, self.stop_token_ids)
 
     def to_batch(self, groups: list[_Group]) -> RolloutBatch:
         """The groups as the token-level batch training takes, advantages computed."""

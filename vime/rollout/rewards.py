@@ -205,13 +205,13 @@ def build_reward_scorer(
         return RewardScorer(name, sample_fn=call, timeout=args.rm_timeout, threads=threads)
     rule = {"math": math_reward, "exact": exact_reward, "task": task_reward}[source]
     assert rule is not None
+    whole = task_reads_trajectory and source == "task"
 
     def call(sample: RewardInput) -> Any:
         # Every rule compares with the label; without one math_reward would match a
         # response that says "None".
         if sample.label is None:
             raise RewardError(_NO_LABEL)
-        whole = task_reads_trajectory and source == "task"
         return rule(sample.trajectory if whole else sample.response, sample.label)
 
     # Rule-based rewards are cheap: a plain loop, no event loop, thread or timeout.

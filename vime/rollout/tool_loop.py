@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vime.config.errors import ConfigError
+from vime.data.prompts import as_messages
 from vime.rollout.agent import (
     AgentRollouts,
     AgentSample,
@@ -32,8 +33,16 @@ from vime.rollout.agent import (
     Trajectory,
     load_generate_function,
 )
+from vime.rollout.decoding import decode_turns, stop_token_ids
 from vime.rollout.tool_turns import ToolTurnRenderer, truncate_output
-from vime.rollout.tools import ParseError, Toolbox, ToolCall, ToolResult, parse_tool_calls
+from vime.rollout.tools import (
+    ParseError,
+    Toolbox,
+    ToolCall,
+    ToolResult,
+    ToolSettings,
+    parse_tool_calls,
+)
 
 CUT_BUDGET, CUT_MAX_TURNS = "budget", "max_turns"
 PLAIN_PROMPT_END = "="
@@ -41,25 +50,18 @@ PLAIN_PROMPT_END = "="
 
 @dataclass(frozen=True)
 class ToolLoopSettings:
-    """``max_turns`` model turns at most; tool limits as ``vime.rollout.tools.ToolSettings``."""
+    """``max_turns`` model turns at most; the tools' own limits."""
 
     max_turns: int = 4
-    timeout_s: float = 30.0
-    max_output_tokens: int = 256
+    tools: ToolSettings = field(default_factory=ToolSettings)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
             raise ConfigError(f"--max-turns must be >= 1, got {self.max_turns}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"--tool-timeout must be > 0 seconds, got {self.timeout_s}")
-        if self.max_output_tokens < 1:
-            raise ConfigError(
-                f"--tool-max-output-tokens must be >= 1, got {self.max_output_tokens}"
-            )
 
     @classmethod
     def from_args(cls, args: Any) -> ToolLoopSettings:
-        return cls(args.max_turns, args.tool_timeout, args.tool_max_output_tokens)
+        return cls(args.max_turns, ToolSettings(args.tool_timeout, args.tool_max_output_tokens))
 
 
 class ToolFormat(Protocol):
@@ -84,7 +86,7 @@ class ChatFormat:
         self.max_output_tokens = max_output_tokens
 
     def start(self, sample: AgentSample) -> list[dict[str, Any]]:
-        return prompt_messages(sample.prompt.text)
+        return as_messages(sample.prompt.text)
 
     def parse(self, text: str) -> list[ToolCall] | ParseError:
         return parse_tool_calls(text)
@@ -144,12 +146,10 @@ class ToolLoop:
     ) -> None:
         self.toolbox, self.tokenizer, self.settings = toolbox, tokenizer, settings
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.format = fmt or tool_format(tokenizer, toolbox, settings.max_output_tokens)
+        self.format = fmt or tool_format(tokenizer, toolbox, settings.tools.max_output_tokens)
 
     def _text(self, ids: Sequence[int]) -> str:
-        if ids and ids[-1] in self.stop_token_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return decode_turns(self.tokenizer, [ids], self.stop_token_ids)[0]
 
     async def __call__(self, sample: AgentSample, engine: EngineHandle) -> Trajectory:
         traj = Trajectory()
@@ -184,15 +184,8 @@ class ToolLoop:
     async def _run(self, calls: list[ToolCall] | ParseError) -> list[ToolResult]:
         if isinstance(calls, ParseError):
             return [calls.as_result()]
-        timeout = self.settings.timeout_s
+        timeout = self.settings.tools.timeout_s
         return list(await asyncio.gather(*(self.toolbox.run(c, timeout_s=timeout) for c in calls)))
-
-
-def prompt_messages(text: str | list[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """A prompt row as chat messages: a message list as is, a string as one user turn."""
-    return (
-        [dict(m) for m in text] if isinstance(text, list) else [{"role": "user", "content": text}]
-    )
 
 
 def build_agent(
@@ -211,8 +204,6 @@ def build_agent(
             f"--tools {args.tools}: the model reads the tools through its chat template; "
             "add --apply-chat-template"
         )
-    stops = [*args.rollout_stop_token_ids]
-    if tokenizer.eos_token_id is not None:
-        stops.append(tokenizer.eos_token_id)
+    stops = stop_token_ids(args.rollout_stop_token_ids, tokenizer.eos_token_id)
     loop = ToolLoop(toolbox, tokenizer, ToolLoopSettings.from_args(args), stop_token_ids=stops)
     return AgentRollouts(loop, engines, budget, name=f"--tools {args.tools}")
