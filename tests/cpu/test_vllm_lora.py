@@ -6,13 +6,16 @@ engine score and greedily sample what transformers gives for the merged weights
 ``W + s·BA`` (1e-4), with adapters on part of a fused layer (q/v of qkv, down beside
 gate/up); each sync is a new adapter version in place of the last (the one before is
 far off, and its folder is gone); a sync of merged weights with no adapter serves them
-bare (an adapter left on would count twice); a sync with nothing in it is refused.
+bare (an adapter left on would count twice); a sync with nothing in it is refused; an
+adapter loaded while a generation runs lands between two engine steps, the requests
+going on with it on the KV cache the adapter before wrote.
 Skipped where vLLM is not installed.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import threading
+import time
 
 import pytest
 import torch
@@ -21,7 +24,13 @@ pytest.importorskip("vllm")
 
 from transformers import AutoModelForCausalLM
 
-from tests.cpu.test_vllm_engine import _greedy, _max_diff, _reference
+from tests.cpu.test_vllm_engine import (
+    _greedy,
+    _kept_cache_log_probs,
+    _max_diff,
+    _reference,
+    _step_hook,
+)
 from tests.cpu.tiny_models import tiny_qwen3_config
 from vime.rollout.types import SamplingParams
 from vime.rollout.vllm_engine import VLLMEngine
@@ -72,15 +81,23 @@ def _check_serves(engine: VLLMEngine, model: torch.nn.Module) -> None:
     assert engine.generate([prompt], greedy)[0][0].response_ids == _greedy(model, prompt, 6)
 
 
-def test_adapters_served_by_vllm_equal_the_merged_weights(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> tuple[VLLMEngine, torch.nn.Module]:
+    """A vLLM engine with LoRA on, and the base model it serves."""
+    folder = tmp_path_factory.mktemp("vllm_lora") / "model"
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(tiny_qwen3_config(VOCAB), dtype=torch.float32).eval()
     with torch.no_grad():
         base.lm_head.weight.mul_(4.0)  # clear greedy margins
-    base.save_pretrained(tmp_path / "model")
+    base.save_pretrained(folder)
     engine = VLLMEngine(
-        str(tmp_path / "model"), dtype="float32", max_model_len=256, max_lora_rank=SETTINGS.rank
+        str(folder), dtype="float32", max_model_len=256, max_lora_rank=SETTINGS.rank
     )
+    return engine, base
+
+
+def test_adapters_served_by_vllm_equal_the_merged_weights(served) -> None:
+    engine, base = served
     loader = AdapterLoader(EngineLora(SETTINGS, bucket_bytes=1 << 20))
     base_weights = list(base.state_dict().items())
 
@@ -107,3 +124,43 @@ def test_adapters_served_by_vllm_equal_the_merged_weights(tmp_path: Path) -> Non
 
     with pytest.raises(ValueError, match="no weights and no adapters"):
         loader.update(engine, [], 4)
+
+
+def test_an_adapter_loaded_mid_generation_serves_the_tokens_after(
+    served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As new weights do (test_vllm_engine.py): an adapter sync from another thread lands
+    between two engine steps; the tokens before have the old adapter's log-probs, the
+    later ones the new adapter's on the KV cache the old one wrote."""
+    engine, base = served
+    loader = AdapterLoader(EngineLora(SETTINGS, bucket_bytes=1 << 20))
+    first, second = _adapters(base, seed=3), _adapters(base, seed=4)
+    loader.update(engine, [list(base.state_dict().items()), list(first.items())], 10)
+    thread = threading.Thread(target=loader.update, args=(engine, [list(second.items())], 11))
+
+    def start_the_load() -> None:  # inside step 2: the load waits for its end
+        thread.start()
+        while engine.gate.loads_waiting == 0:
+            time.sleep(0.001)
+
+    switch_after = 2
+    _step_hook(monkeypatch, engine, switch_after, start_the_load)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5)
+    try:
+        out = [c for group in engine.generate([[3, 17, 9], [40, 2, 51, 8]], params) for c in group]
+    finally:
+        monkeypatch.undo()
+        thread.join(timeout=60)
+    assert engine.weight_version == 11
+    old_model, new_model = _merged(base, first), _merged(base, second)
+    k = switch_after + 1
+    long_ones = [c for c in out if len(c.response_ids) > k]
+    assert long_ones, "no completion outlived the load; pick another seed"
+    for c in long_ones:
+        assert c.weight_versions == (10, 11)
+        ids = c.prompt_ids + c.response_ids
+        old = _reference(old_model, ids, len(c.prompt_ids), 1.0)
+        assert _max_diff(c.log_probs[:k], old[:k]) < 1e-4
+        kept = _kept_cache_log_probs(old_model, new_model, c, len(c.prompt_ids) + k - 1)
+        assert _max_diff(c.log_probs[k:], kept) < 1e-4
+        assert _max_diff(c.log_probs[k:], old[k:]) > 1e-2  # the old adapter is told apart
