@@ -6,7 +6,8 @@ never reaching the loss fails here), and every algorithm flag is either such a f
 named as acting elsewhere; the loss with rollout correction, KL and entropy equals a
 plain per-token computation, with the correction weighting only the policy term and
 its metrics reported; ``--use-tis`` without the engine's log-probs stops with one line;
-Dr. GRPO's normalizer is the run's constant, not the step's longest response.
+Dr. GRPO's normalizer is the run's constant, not the step's longest response; with
+GSPO, token-level TIS weights each token's gradient by its own weight.
 """
 
 from __future__ import annotations
@@ -240,3 +241,22 @@ def test_dr_grpo_normalizer_is_the_runs_constant():
             config,
         )
         assert float(loss) == pytest.approx(float((values * data["mask"]).sum()) / (5 * 32))
+
+
+def test_gspo_with_token_level_tis_weights_each_tokens_gradient() -> None:
+    """GSPO with token-level TIS (``vime.algo.objective``): token t's gradient is its own
+    weight wₜ times GSPO's uncorrected gradient, not mean(w) times it."""
+    from vime.algo.correction import correction_weights
+
+    data = _batch(3)
+    gspo = ("--policy-loss-level", "sequence", "--loss-agg-mode", "seq-mean-token-mean")
+    plain = _config(*gspo)
+    corrected = _config(*gspo, "--use-tis", "--tis-level", "token")
+    _, g_plain, _ = _loss_and_grad(plain, data)
+    _, g_tis, _ = _loss_and_grad(corrected, data)
+    w, _ = correction_weights(data["old"], data["rollout"], data["mask"], corrected.correction)
+    n = data["logp"].numel()
+    assert torch.allclose(g_tis[:n], w.flatten() * g_plain[:n], rtol=1e-12, atol=1e-15)
+    per_sequence = (w * data["mask"]).sum(1, keepdim=True) / data["mask"].sum(1, keepdim=True)
+    off = g_plain[:n] * per_sequence.expand_as(w).flatten()
+    assert not torch.allclose(g_tis[:n], off)  # the mean-weight reading differs here
