@@ -5,7 +5,7 @@ the first sync (base weights and adapters) and each later adapter-only one make 
 engine score and greedily sample what transformers gives for the merged weights
 ``W + s·BA`` (1e-4), with adapters on part of a fused layer (q/v of qkv, down beside
 gate/up); each sync is a new adapter version in place of the last (the one before is
-far off, and its folder is gone); a sync of merged weights with no adapter serves them
+far off), its folder removed once loaded; a sync of merged weights with no adapter serves them
 bare (an adapter left on would count twice); a sync with nothing in it is refused; an
 adapter loaded while a generation runs lands between two engine steps, the requests
 going on with it on the KV cache the adapter before wrote.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,10 +108,9 @@ def test_adapters_served_by_vllm_equal_the_merged_weights(served) -> None:
     _check_serves(engine, _merged(base, first))
 
     second = _adapters(base, seed=2)
-    first_folder = loader._served
     loader.update(engine, [list(second.items())], 2)  # the adapters alone
     assert engine.weight_version == 2
-    assert not first_folder.exists()
+    assert not Path(engine._adapter.lora_path).exists()  # read at the load, then removed
     merged = _merged(base, second)
     _check_serves(engine, merged)
     ids = list(range(3, 19))

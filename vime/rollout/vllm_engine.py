@@ -615,7 +615,8 @@ class VLLMEngine:
         One adapter id, reloaded in place (vLLM's ``load_inplace``) between two engine
         steps, like new weights (``update_weights``): requests in flight go on with the
         new adapter, and their prefixes cached before it are not reused. vLLM reads the
-        folder during this call.
+        folder during this call and not after (the one adapter id stays loaded), so the
+        caller may delete it once this returns.
         """
         from vllm.lora.request import LoRARequest
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -205,13 +204,13 @@ class AdapterLoader:
     engine's ``update_weights`` as they stream by, and writes its adapters as a PEFT
     folder that the engine's ``load_adapter`` then serves, in place of the last: the
     weights stay the base, and each sync moves and loads the adapters alone. A sync of
-    merged weights without adapters leaves the engine serving them bare.
+    merged weights without adapters leaves the engine serving them bare. The folder
+    lives only while the engine reads it (``load_adapter`` returns once it has): no
+    adapter is left on disk, even by a process killed later.
     """
 
     def __init__(self, settings: EngineLora) -> None:
         self.settings = settings
-        self._root = tempfile.TemporaryDirectory(prefix="vime-lora-", dir=_ram_dir())
-        self._served: Path | None = None
 
     def update(self, engine: AdapterEngine, buckets: Iterable[Bucket], version: int) -> None:
         adapters: dict[str, torch.Tensor] = {}
@@ -233,14 +232,14 @@ class AdapterLoader:
             engine.update_weights(itertools.chain([first], stream), version)
         elif not adapters:
             raise ValueError("a weight sync brought the engine no weights and no adapters")
-        folder = None
-        if adapters:
-            folder = Path(self._root.name) / f"v{version}"
-            write_peft_folder(folder, adapters, self.settings.settings, base_model=None)
-        engine.load_adapter(None if folder is None else str(folder), version)
-        if self._served is not None and self._served != folder:  # read by the load above
-            shutil.rmtree(self._served, ignore_errors=True)
-        self._served = folder
+        if not adapters:
+            engine.load_adapter(None, version)
+            return
+        with tempfile.TemporaryDirectory(prefix="vime-lora-", dir=_ram_dir()) as root:
+            folder = write_peft_folder(
+                Path(root) / "adapter", adapters, self.settings.settings, None
+            )
+            engine.load_adapter(str(folder), version)
 
 
 def engine_receiver(
