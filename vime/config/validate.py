@@ -430,10 +430,10 @@ def _check_agent(args: argparse.Namespace) -> None:
             "--tools and --custom-generate-function-path both generate the trajectories; "
             "give one (a custom function can run tools itself)"
         )
-    from vime.rollout.tool_loop import ToolLoopSettings
-
-    ToolLoopSettings.from_args(args)  # its limits' checks, at parse time
     if args.tools is not None:
+        from vime.rollout.tool_loop import ToolLoopSettings  # imports torch: only here
+
+        ToolLoopSettings.from_args(args)  # the loop's limits, checked at parse time
         from vime.rollout.tools import load_tools
 
         load_tools(args.tools).close()
