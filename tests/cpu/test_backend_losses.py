@@ -108,7 +108,9 @@ GEOMETRY_BATCHES = ("single", "multiturn")  # make_batch(1); make_multiturn_batc
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
-    return save_tiny(tmp_path_factory.mktemp("tiny_qwen3_losses"), tiny_qwen3_config(VOCAB), 0)
+    # pad=0: the batches hold id 0, so HF's padding_idx (and megatron's twin of it) runs.
+    config = tiny_qwen3_config(VOCAB, pad=0)
+    return save_tiny(tmp_path_factory.mktemp("tiny_qwen3_losses"), config, 0)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,10 @@ processes (vocab-parallel logits gathered), where the real TP=2 model's own
 shards also convert back to the HF weights. The row goes in megatron-core's THD
 format (``PackedSeqParams``, vime's per-run core attention); the same row as one
 sequence under a block-diagonal mask (megatron-core's dense attention) gives the
-same logits and parameter gradients. A pipeline stage reads from disk only the HF
-tensors its own parameters come from.
+same logits and parameter gradients. With the pad id inside a response, every
+parameter gradient equals HF's (its embedding's ``padding_idx`` row gets none through
+the lookup). A pipeline stage reads from disk only the HF tensors its own parameters
+come from.
 """
 
 from __future__ import annotations
@@ -367,3 +369,45 @@ def test_tensor_parallel_2_matches_hf(tmp_path: Path) -> None:
         assert sorted(back) == sorted(expected)
         for key, value in expected.items():
             assert torch.equal(back[key], value), (name, key)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama-tied"])
+def test_gradients_match_hf_where_the_row_holds_the_pad_id(name: str, megatron_world: None) -> None:
+    """With the pad id inside a response (as a sampled one may hold it), every parameter's
+    gradient equals HF's: the pad row gets none through the lookup (HF's padding_idx; its
+    zero vector would otherwise meet RMSNorm's 1/sqrt(eps)), a tied head still trains it."""
+    config = CONFIGS[name]()
+    config.pad_token_id = 0
+    assert any(0 in s[p:] for s, p in zip(SAMPLES, PROMPT_LENGTHS, strict=True))
+    hf = _hf_model(config).float()
+    with torch.no_grad():
+        hf.get_input_embeddings().weight[0].zero_()  # as HF initialises the padding row
+    tcfg, _ = convert.transformer_config_from_hf(config)
+    model = mmodel.build_gpt_model(config, tcfg)
+    mmodel.load_megatron_state(model, convert.hf_to_megatron(hf.state_dict(), config))
+    model.eval()
+    pairs = zip(SAMPLES, PROMPT_LENGTHS, strict=True)
+    weights = [torch.linspace(-1.0, 1.0, len(s) - p) for s, p in pairs]
+
+    hf.zero_grad()
+    for ids, prompt, w in zip(SAMPLES, PROMPT_LENGTHS, weights, strict=True):
+        logits = hf(input_ids=torch.tensor([ids]), use_cache=False).logits
+        logp, _ = response_log_probs(logits, pack_micro_batch([list(ids)], [prompt]))
+        (w * logp[0, : len(w)]).sum().backward()
+    want = {k: p.grad for k, p in hf.named_parameters()}
+
+    packed = _packed()
+    logp, _ = response_log_probs(mmodel.packed_logits(model, packed), packed)
+    sum((w * logp[i, : len(w)]).sum() for i, w in enumerate(weights)).backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    got = convert.megatron_to_hf([grads], config)
+
+    embed = "model.embed_tokens.weight"
+    if config.tie_word_embeddings:  # the head's own gradient reaches the pad row
+        assert want[embed][0].abs().max() > 1e-4
+    for key, expected in want.items():
+        if key not in got:
+            continue  # a tied head's gradient is the embedding's
+        scale = expected.abs().max()
+        assert (got[key] - expected).abs().max() <= 1e-4 * scale + 1e-7, key
+    assert max(g.abs().max() for g in want.values()) > 1e-3

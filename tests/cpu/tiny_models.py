@@ -26,8 +26,14 @@ LLAMA31_ROPE = {
 }
 
 
-def tiny_qwen3_config(vocab_size: int = 64, *, tie: bool = False) -> Qwen3Config:
-    return Qwen3Config(vocab_size=vocab_size, head_dim=32, tie_word_embeddings=tie, **SHAPE)
+def tiny_qwen3_config(
+    vocab_size: int = 64, *, tie: bool = False, pad: int | None = None
+) -> Qwen3Config:
+    """``pad``: the config's pad_token_id, HF's embedding ``padding_idx`` (its row is
+    initialised to zero and gets no gradient through the lookup)."""
+    return Qwen3Config(
+        vocab_size=vocab_size, head_dim=32, tie_word_embeddings=tie, pad_token_id=pad, **SHAPE
+    )
 
 
 def tiny_llama_config(vocab_size: int = 64, *, tie: bool = False) -> LlamaConfig:

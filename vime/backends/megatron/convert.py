@@ -63,6 +63,9 @@ class GPTExtra:
     rope_scaling_factor: float
     tie_word_embeddings: bool
     tp: int
+    # HF's Llama-family embeddings are nn.Embedding(..., padding_idx=config.pad_token_id):
+    # that row is a constant of the lookup (no gradient through it). None: no such row.
+    padding_idx: int | None = None
 
     def gpt_model_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of megatron-core's ``GPTModel`` for this architecture."""
@@ -105,7 +108,15 @@ def gpt_extra(hf_config: Any, *, tp: int = 1) -> GPTExtra:
         rope_scaling_factor=rope.factor,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         tp=tp,
+        padding_idx=_padding_idx(hf_config),
     )
+
+
+def _padding_idx(hf_config: Any) -> int | None:
+    """The embedding row HF's model holds out of the lookup's gradient, as its own
+    ``nn.Embedding(vocab, hidden, padding_idx=config.pad_token_id)`` does."""
+    pad = getattr(hf_config, "pad_token_id", None)
+    return None if pad is None else int(pad)
 
 
 def transformer_config_from_hf(

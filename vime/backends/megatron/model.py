@@ -147,11 +147,35 @@ class PackedRowGPTModel(GPTModel):
 
     ``hf_vocab_size`` is the HF vocabulary; the model's own (padded) vocabulary is
     larger, and logits beyond ``hf_vocab_size`` are padding.
+
+    ``padding_idx`` is the row HF's embedding keeps out of the lookup's gradient
+    (``nn.Embedding(..., padding_idx=pad_token_id)``); megatron-core's embedding has no
+    such row, so ``_hold_padding_row`` detaches the looked-up vectors of that id. It
+    matters whenever a sampled response holds the pad id: HF initialises the row to
+    zero, and the first RMSNorm's backward at a zero vector is scaled by 1/sqrt(eps).
+    A tied head still trains the row, in both backends.
     """
 
-    def __init__(self, *args: Any, hf_vocab_size: int, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, hf_vocab_size: int, padding_idx: int | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.hf_vocab_size = hf_vocab_size
+        self.padding_idx = padding_idx
+        if self.pre_process and padding_idx is not None:
+            self.embedding.word_embeddings.register_forward_hook(self._hold_padding_row)
+
+    def _hold_padding_row(
+        self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor
+    ) -> torch.Tensor:
+        """The lookup's output with the pad id's vectors cut from the graph."""
+        held = args[0] == self.padding_idx  # [B, S]
+        if module.reduce_scatter_embeddings:
+            # Sequence parallel: output is this TP rank's slice [S/TP, B, H].
+            rows = output.shape[0]
+            start = parallel_state.get_tensor_model_parallel_rank() * rows
+            held = held.transpose(0, 1)[start : start + rows]
+        return torch.where(held[..., None], output.detach(), output)
 
     def _preprocess(
         self,
@@ -391,6 +415,7 @@ def build_gpt_model(
         post_process=post_process,
         parallel_output=True,
         hf_vocab_size=extra.vocab_size,
+        padding_idx=extra.padding_idx,
         **extra.gpt_model_kwargs(),
     )
 
