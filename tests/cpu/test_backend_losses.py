@@ -1,7 +1,7 @@
 """Every loss flag through real optimizer steps of both backends, against its definition.
 
 Proves, on a tiny random Qwen3 (CPU, fp32, gloo), for each loss flag -- the rollout
-correction (token / sequence level, truncate / mask), the asymmetric and the dual clip,
+correction (token / sequence / geometric level, truncate / mask), the asymmetric and the dual clip,
 GSPO, each KL estimator, the entropy bonus, a custom loss -- and each of the four
 aggregation modes: (a) the fsdp2 and megatron actors, fed the same packed micro-batches
 with the same stale π_old and engine log-probs, give the same loss, metrics and gradient
@@ -53,6 +53,10 @@ CASES = {
     "tis-sequence-truncate": ["--use-tis", "--tis-level", "sequence", "--tis-clip", "1.2"],
     "tis-sequence-mask": [
         *("--use-tis", "--tis-level", "sequence", "--tis-mode", "mask"),
+        *("--tis-clip", "5", "--tis-clip-low", "0.3"),
+    ],
+    "tis-geometric-mask": [
+        *("--use-tis", "--tis-level", "geometric", "--tis-mode", "mask"),
         *("--tis-clip", "1.6", "--tis-clip-low", "0.8"),
     ],
     "eps-clip-high": ["--eps-clip-high", "0.6"],
@@ -80,11 +84,11 @@ MULTITURN_CASES = {
     ],
     "mt-tis-sequence-mask": [
         *("--use-tis", "--tis-level", "sequence", "--tis-mode", "mask"),
-        *("--tis-clip", "1.6", "--tis-clip-low", "0.8", "--entropy-coef", "0.05"),
+        *("--tis-clip", "50", "--tis-clip-low", "0.1", "--entropy-coef", "0.05"),
     ],
     "mt-gspo": [
         *("--policy-loss-level", "sequence", "--loss-agg-mode", "seq-mean-token-mean"),
-        *("--use-tis", "--tis-level", "sequence"),
+        *("--use-tis", "--tis-level", "geometric"),
     ],
     "mt-seq-mean-token-mean": [
         *("--loss-agg-mode", "seq-mean-token-mean", "--use-tis", "--tis-mode", "mask"),
@@ -375,10 +379,11 @@ def _reference_loss(model, ref_model, batch: RolloutBatch, old, flags) -> torch.
         w = [1.0] * len(m)
         if flags.use_tis:
             deltas = [float(old[i][t] - rollout[t]) for t in range(len(m))]
-            seq = math.exp(sum(deltas[t] for t in tokens) / len(tokens))
+            product = math.prod(math.exp(deltas[t]) for t in tokens)
+            per_sequence = {"sequence": product, "geometric": product ** (1 / len(tokens))}
             low = 1 / flags.tis_clip if flags.tis_clip_low is None else flags.tis_clip_low
             for t in tokens:
-                rho = seq if flags.tis_level == "sequence" else math.exp(deltas[t])
+                rho = per_sequence.get(flags.tis_level, math.exp(deltas[t]))
                 if flags.tis_mode == "truncate":
                     w[t] = min(rho, flags.tis_clip)
                 else:
@@ -465,6 +470,7 @@ def test_each_loss_flag_aligned_and_equal_to_its_definition(hf_dir, custom_path,
         ("tis-token-mask", "tis_masked_frac"),
         ("tis-sequence-truncate", "tis_truncated_frac"),
         ("tis-sequence-mask", "tis_masked_frac"),
+        ("tis-geometric-mask", "tis_masked_frac"),
         ("eps-clip-high", "clipfrac"),
     ):
         assert 0 < fsdp[case]["metrics"][key] < 1, (case, key, fsdp[case]["metrics"][key])

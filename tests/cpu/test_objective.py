@@ -2,8 +2,9 @@
 
 Proves: each loss flag of the algorithm group changes ``LossConfig.from_args`` and the
 loss or gradient ``micro_batch_loss`` computes from the same log-probs (a flag parsed but
-never reaching the loss fails here), and every algorithm flag is either such a flag or
-named as acting elsewhere; the loss with rollout correction, KL and entropy equals a
+never reaching the loss fails here), every choice of such a flag gives a loss of its own
+(a choice parsed but computed as another fails here), and every algorithm flag is either
+such a flag or named as acting elsewhere; the loss with rollout correction, KL and entropy equals a
 plain per-token computation, with the correction weighting only the policy term and
 its metrics reported; ``--use-tis`` without the engine's log-probs stops with one line;
 Dr. GRPO's normalizer is the run's constant, not the step's longest response; with
@@ -13,6 +14,7 @@ GSPO, token-level TIS weights each token's gradient by its own weight.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 
 import pytest
@@ -151,6 +153,65 @@ def test_each_loss_flag_reaches_the_loss(flag):
     loss, grad, _ = _loss_and_grad(config, data)
     base_loss, base_grad, _ = _loss_and_grad(base, data)
     assert abs(loss - base_loss) > 1e-6 or (grad - base_grad).abs().max() > 1e-6, flag
+
+
+# Each loss flag with choices: the preconditions its choices are compared under.
+CHOICE_BASES = {
+    "--policy-loss-level": [],
+    "--kl-loss-type": ["--use-kl-loss", "--kl-loss-coef", "0.5"],
+    "--loss-agg-mode": [],
+    "--tis-level": ["--use-tis"],
+    "--tis-mode": ["--use-tis"],
+}
+# Choices that give the same loss on this batch, and why that is right.
+SAME_HERE = {
+    ("--kl-loss-type", frozenset({"k3", "low_var_kl"})): "low_var_kl is k3 clamped to ±10",
+}
+
+
+def _choices(flag: str) -> tuple[str, ...]:
+    parser = argparse.ArgumentParser()
+    flags._algorithm(parser)
+    (action,) = [a for a in parser._actions if flag in a.option_strings]
+    return tuple(action.choices or ())
+
+
+def test_every_choice_of_a_loss_flag_gives_its_own_loss():
+    with_choices = {flag for flag in LOSS_FLAGS if _choices(flag)}
+    assert with_choices == set(CHOICE_BASES)
+    data = _batch(seed=1)
+    for flag, base in CHOICE_BASES.items():
+        results = {
+            choice: _loss_and_grad(_config(*base, flag, choice), data) for choice in _choices(flag)
+        }
+        for a, b in itertools.combinations(results, 2):
+            (loss_a, grad_a, _), (loss_b, grad_b, _) = results[a], results[b]
+            same = abs(loss_a - loss_b) < 1e-9 and (grad_a - grad_b).abs().max() < 1e-9
+            assert same == ((flag, frozenset({a, b})) in SAME_HERE), (flag, a, b)
+
+
+def test_sequence_and_geometric_tis_levels_are_their_formulas():
+    """--tis-level sequence weights every token of sample i by min(Πₜ ρᵢₜ, clip) and
+    geometric by min((Πₜ ρᵢₜ)^(1/nᵢ), clip), ρ = exp(old − rollout), written out here."""
+    data = _batch(seed=2)
+    data["rollout"] = data["old"] + 0.15 * (data["rollout"] - data["old"])  # products near 1
+    mask = data["mask"]
+    for level in ("sequence", "geometric"):
+        config = _config("--use-tis", "--tis-level", level, "--tis-clip", "1.1")
+        expected = torch.zeros_like(mask)
+        for i in range(mask.shape[0]):
+            tokens = [t for t in range(mask.shape[1]) if mask[i, t] > 0]
+            rhos = [math.exp(float(data["old"][i, t] - data["rollout"][i, t])) for t in tokens]
+            rho = math.prod(rhos) ** (1 / len(rhos) if level == "geometric" else 1)
+            for t in tokens:
+                expected[i, t] = min(rho, 1.1)
+        assert 0 < float((expected == 1.1).sum()) < float(mask.sum())  # both sides of 1.1
+        plain = _config()
+        _, g_plain, _ = _loss_and_grad(plain, data)
+        _, g_tis, metrics = _loss_and_grad(config, data)
+        n = data["logp"].numel()
+        torch.testing.assert_close(g_tis[:n], expected.flatten() * g_plain[:n])
+        assert metrics["tis_weight_mean"] == pytest.approx(float(expected[mask > 0].mean()))
 
 
 def _plain_loss(data: dict, *, high: float, kl_coef: float, entropy_coef: float, eps=0.2):

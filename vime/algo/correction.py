@@ -10,10 +10,16 @@ weighted. The weights are detached: they scale the gradient, never receive one.
 
 With m the loss mask, nᵢ = Σₜ mᵢₜ and δ = old_logp − rollout_logp:
 
-    token level:     ρᵢₜ = exp(δᵢₜ)
-    sequence level:  ρᵢₜ = ρᵢ = exp(Σₜ mᵢₜ δᵢₜ / nᵢ)   (geometric mean of the token ratios)
-    truncate:        w = min(ρ, high)
-    mask:            w = ρ · 1[low ≤ ρ ≤ high]          (low defaults to 1 / high)
+    token level:      ρᵢₜ = exp(δᵢₜ)
+    sequence level:   ρᵢₜ = ρᵢ = exp(Σₜ mᵢₜ δᵢₜ)        (product of the token ratios)
+    geometric level:  ρᵢₜ = ρᵢ = exp(Σₜ mᵢₜ δᵢₜ / nᵢ)   (their geometric mean)
+    truncate:         w = min(ρ, high)
+    mask:             w = ρ · 1[low ≤ ρ ≤ high]          (low defaults to 1 / high)
+
+The level names are verl's, slime's and TRL's: their "sequence" is the product, so a
+configuration ported from them means the same here. Every exponent is clamped to
+±``MAX_LOG_RATIO`` first (a long sequence's sum must not overflow), which changes no
+weight of truncate or mask mode unless a bound lies outside [e^-20, e^20].
 
 A masked token (or every token of a masked sequence) leaves the loss with weight
 0; the step's normalizers stay the planner's counts, as in TRL's and IcePop's
@@ -28,7 +34,7 @@ import torch
 
 from vime.algo.losses import MAX_LOG_RATIO
 
-CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence")
+CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 CORRECTION_MODES: tuple[str, ...] = ("truncate", "mask")
 
 
@@ -81,9 +87,11 @@ def correction_weights(
     zero = torch.zeros((), dtype=old_logp.dtype, device=old_logp.device)
     # where, not ·m: a NaN or inf at a padded position must not reach a sequence's sum.
     delta = torch.where(valid, old_logp.detach() - rollout_logp.detach().to(old_logp.dtype), zero)
-    if correction.level == "sequence":
-        n = valid.sum(dim=1, keepdim=True).clamp(min=1).to(delta.dtype)
-        delta = (delta.sum(dim=1, keepdim=True) / n).expand_as(delta)
+    if correction.level != "token":
+        total = delta.sum(dim=1, keepdim=True)
+        if correction.level == "geometric":
+            total = total / valid.sum(dim=1, keepdim=True).clamp(min=1).to(delta.dtype)
+        delta = total.expand_as(delta)
     ratio = torch.exp(delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     if correction.mode == "truncate":
         weight = ratio.clamp(max=correction.high)

@@ -14,8 +14,8 @@ a constant (no gradient flows through it). With GSPO (``--policy-loss-level
 sequence``) and token-level weights wₜ each token keeps its own: the gradient with
 respect to logpₜ is wₜ · ∂Lᵢ/∂logpₜ, Lᵢ the sequence's uncorrected loss, not the
 gradient of Lᵢ · mean(w) (every token weighted by mean(w)), though the two losses
-have the same value; ``--tis-level sequence`` gives a sequence one weight, and then
-they agree. The micro-batch loss is ``aggregate_loss(ℓ, m, mode, **step
+have the same value; ``--tis-level sequence`` or ``geometric`` gives a sequence one
+weight, and then they agree. The micro-batch loss is ``aggregate_loss(ℓ, m, mode, **step
 normalizers)`` (plus Dr. GRPO's constant ``norm_len``). Because the normalizers are the
 optimizer step's global counts, summing these losses over micro-batches and
 data-parallel ranks gives the step's loss.

@@ -29,7 +29,7 @@ AGGREGATION_MODES = (
     "seq-mean-token-sum-norm",
 )
 POLICY_LOSS_LEVELS = ("token", "sequence")
-CORRECTION_LEVELS = ("token", "sequence")
+CORRECTION_LEVELS = ("token", "sequence", "geometric")
 CORRECTION_MODES = ("truncate", "mask")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RM_TYPES = ("math", "exact", "builtin")
@@ -342,8 +342,9 @@ def _algorithm(p: argparse._ArgumentGroup) -> None:
         "--tis-level",
         choices=CORRECTION_LEVELS,
         default=None,
-        help="token: a weight per token; sequence: the geometric mean of a sequence's token "
-        "weights, for all its tokens (default token)",
+        help="token: a weight per token; sequence: the product of a sequence's token "
+        "weights (as verl, slime and TRL), for all its tokens; geometric: their geometric "
+        "mean, for all its tokens (default token)",
     )
     p.add_argument(
         "--tis-mode",
