@@ -41,6 +41,18 @@ def _describe(config: Config) -> str:
     )
 
 
+def _notes(config: Config) -> list[str]:
+    """Start-up lines for settings a user should not miss."""
+    notes = []
+    if config.max_staleness > 0 and not config.use_tis:
+        notes.append(
+            f"vime-train: note: --max-staleness {config.max_staleness} with --no-use-tis: "
+            "samples from older weights train uncorrected, without decoupled PPO's "
+            "behaviour weight (pi_prox / pi_behav)"
+        )
+    return notes
+
+
 def _stopped(how: str, config: Config) -> str:
     """The line for a run stopped ``how``: where its outputs are, and how it resumes."""
     from vime.checkpoint import CheckpointError, latest
@@ -116,6 +128,8 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"vime-train: error: {err}", file=sys.stderr)
         return 2
     print(f"vime-train: configuration is valid: {_describe(config)}", flush=True)
+    for note in _notes(config):
+        print(note, flush=True)
     if config.dry_run:
         return 0
     from vime.perf import StartupClock, process_start_time

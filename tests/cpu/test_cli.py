@@ -9,7 +9,8 @@ used to fail only once the run started: an engine layout the rollout devices do
 not split into, an unknown built-in task, eval prompts of another task or without
 any, cuda-ipc weight sync without CUDA or colocation, flash-attention without its
 package, and a checkpoint the megatron backend cannot build or split -- the
-embedded default model too, when no --hf-checkpoint is given.
+embedded default model too, when no --hf-checkpoint is given. An asynchronous run
+that opts out of its behaviour correction (--no-use-tis) is told so in one line.
 """
 
 from __future__ import annotations
@@ -109,6 +110,10 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
         (["--kl-loss-type", "k3"], ["--kl-loss-type k3 needs --use-kl-loss"]),
         (["--kl-loss-coef", "0.1"], ["needs --use-kl-loss"]),
         (["--tis-clip", "3"], ["--tis-clip needs --use-tis"]),
+        (
+            ["--max-staleness", "1", "--no-use-tis", "--tis-clip", "3"],
+            ["--tis-clip needs --use-tis"],
+        ),
         (["--tis-mode", "mask"], ["--tis-mode needs --use-tis"]),
         (["--use-tis", "--tis-clip", "0"], ["--tis-clip must be > 0"]),
         (
@@ -281,6 +286,19 @@ def test_defaults_validate_and_say_what_runs() -> None:
     assert "backend fsdp2" in result.stdout
     # The embedded default's settings apply when no --hf-checkpoint is given.
     assert "64 prompts x 8 samples" in result.stdout
+
+
+def test_uncorrected_asynchronous_loss_is_said_at_start_up() -> None:
+    """--max-staleness >= 1 with --no-use-tis trains older weights' samples without the
+    behaviour correction: one line at start-up says so; the corrected default says nothing."""
+    corrected = run_cli("--dry-run", "--max-staleness", "1")
+    assert corrected.returncode == 0, corrected.stderr
+    assert "uncorrected" not in corrected.stdout + corrected.stderr
+    result = run_cli("--dry-run", "--max-staleness", "1", "--no-use-tis")
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if "--no-use-tis" in line]
+    assert len(notes) == 1, result.stdout
+    assert "--max-staleness 1" in notes[0] and "uncorrected" in notes[0], notes[0]
 
 
 def test_help_groups_common_flags_and_lists_backends() -> None:

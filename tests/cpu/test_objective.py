@@ -8,7 +8,8 @@ such a flag or named as acting elsewhere; the loss with rollout correction, KL a
 plain per-token computation, with the correction weighting only the policy term and
 its metrics reported; ``--use-tis`` without the engine's log-probs stops with one line;
 Dr. GRPO's normalizer is the run's constant, not the step's longest response; with
-GSPO, token-level TIS weights each token's gradient by its own weight.
+GSPO, token-level TIS weights each token's gradient by its own weight. An asynchronous
+run's loss (``--max-staleness`` >= 1) is decoupled PPO's, behaviour-corrected by default.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ LOSS_FLAGS = {
         {"norm_len": 3},
     ),
     "--use-tis": (["--use-tis"], {"correction": RolloutCorrection()}),
+    "--no-use-tis": (["--max-staleness", "1", "--no-use-tis"], {"correction": None}),
     "--tis-clip": (["--use-tis", "--tis-clip", "1.2"], {"correction": RolloutCorrection(high=1.2)}),
     "--tis-level": (
         ["--use-tis", "--tis-level", "sequence"],
@@ -127,6 +129,7 @@ BASELINES = {
     "--kl-loss-coef": ["--use-kl-loss", "--kl-loss-coef", "0.5"],
     "--kl-loss-type": ["--use-kl-loss", "--kl-loss-coef", "0.5"],
     "--loss-agg-norm-len": ["--loss-agg-mode", "seq-mean-token-sum-norm"],
+    "--no-use-tis": ["--max-staleness", "1"],
     "--tis-clip": ["--use-tis"],
     "--tis-level": ["--use-tis"],
     "--tis-mode": ["--use-tis"],
@@ -260,6 +263,25 @@ def test_loss_with_correction_kl_and_entropy_is_its_definition():
     assert metrics["tis_weight_mean"] == pytest.approx(float(ratio.clamp(max=1.5).mean()))
     assert metrics["tis_truncated_frac"] == pytest.approx(float((ratio > 1.5).double().mean()))
     assert 0 < metrics["tis_truncated_frac"] < 1
+
+
+def test_asynchronous_loss_is_behaviour_corrected_by_default():
+    """With --max-staleness >= 1 and no correction flag the loss is AReaL's decoupled PPO:
+    each token's clipped term times min(π_prox / π_behav, 2), written out here (π_prox:
+    old, π_behav: the engine's log-probs); --no-use-tis keeps the uncorrected loss."""
+    data = _batch(seed=6)
+    config = _config("--max-staleness", "2")
+    assert config.correction == RolloutCorrection(level="token", mode="truncate", high=2.0)
+    loss, grad, metrics = _loss_and_grad(config, data)
+    expected, expected_grad = _plain_loss(data, high=2.0, kl_coef=0.0, entropy_coef=0.0)
+    assert loss == pytest.approx(expected, rel=1e-12)
+    torch.testing.assert_close(grad[: data["logp"].numel()].view_as(expected_grad), expected_grad)
+    assert 0 < metrics["tis_truncated_frac"] < 1  # the cap is reached on this batch
+    uncorrected = _config("--max-staleness", "2", "--no-use-tis")
+    assert uncorrected.correction is None
+    assert _loss_and_grad(uncorrected, data)[0] != pytest.approx(loss)
+    # The synchronous loop keeps its default: no correction unless asked for.
+    assert _config().correction is None
 
 
 def test_mask_mode_reports_the_masked_fraction():

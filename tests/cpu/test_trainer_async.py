@@ -2,7 +2,8 @@
 
 Proves, on real processes: with K = 1 a run trains every rollout on samples at most one
 version old (two fsdp2 ranks on gloo, an hf engine on a core of its own, every thread
-of each process pinned), logs the asynchronous metrics, keeps
+of each process pinned), weights its loss by the behaviour correction without being
+asked, logs the asynchronous metrics, keeps
 the probe check exact after every in-flight weight sync, and evaluates and checkpoints
 while the producer runs; the checkpoint holds the prompts in flight, and a resumed run
 (K = 1) finishes from it; resuming it synchronously is refused in one
@@ -60,6 +61,8 @@ def test_every_rollout_trains_samples_at_most_k_old(async_run: Path) -> None:
         assert r["weights/version"] == r["rollout_id"] + 1
         assert r["weights/probe_logprob_abs_diff"] < 1e-4  # the engines serve what trained
         assert r["train/train_rollout_logprob_abs_diff"] >= 0
+        # Decoupled PPO's behaviour correction is on by default (no --use-tis given).
+        assert r["train/tis_weight_mean"] > 0 and "train/tis_truncated_frac" in r
     assert sum(r["perf/rollout_tokens_per_s"] for r in rows) > 0
     assert rows[0]["async/staleness_max"] == 0  # the first batch: version 0, trained at 0
     assert max(r["async/staleness_max"] for r in rows) == 1  # generation ran ahead

@@ -103,7 +103,8 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
         default=0,
         metavar="K",
         help="0: generate, then train, in turn; K >= 1: the engines never wait for the "
-        "trainer, which trains on samples of weights at most K rollouts old",
+        "trainer, which trains on samples of weights at most K rollouts old, each token's "
+        "loss weighted by the behaviour correction (--use-tis, on by default there)",
     )
     p.add_argument(
         "--cpu-split",
@@ -334,9 +335,12 @@ def _algorithm(p: argparse._ArgumentGroup) -> None:
     )
     p.add_argument(
         "--use-tis",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="rollout correction: weight each token's policy loss by exp(old - rollout "
-        "log-prob), truncated or masked (--tis-level, --tis-mode, --tis-clip, --tis-clip-low)",
+        "log-prob), truncated or masked (--tis-level, --tis-mode, --tis-clip, --tis-clip-low); "
+        "default: on with --max-staleness >= 1 (decoupled PPO's behaviour weight), else off; "
+        "--no-use-tis trains an asynchronous run uncorrected",
     )
     p.add_argument(
         "--tis-level",

@@ -359,7 +359,14 @@ def _check_algorithm(args: argparse.Namespace) -> None:
 
 def _check_correction(args: argparse.Namespace) -> None:
     """The rollout correction's flags: each needs --use-tis, and the bounds must make sense;
-    the defaults (token, truncate, 2.0) are filled in once here."""
+    the defaults (token, truncate, 2.0) are filled in once here.
+
+    With ``--max-staleness`` >= 1 the correction is on unless ``--no-use-tis``: there its
+    weight exp(π_old − engine log-prob) is decoupled PPO's behaviour correction
+    π_prox / π_behav, which an asynchronous objective needs (samples of older weights).
+    """
+    if args.use_tis is None:
+        args.use_tis = args.max_staleness > 0
     given = [
         flag
         for flag, value in (

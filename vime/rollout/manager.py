@@ -296,7 +296,8 @@ class RolloutManager:
                     raise ConfigError(
                         "--use-tis weights each token by the engine's log-prob, and the engine "
                         f"returned {len(completion.log_probs)} log-probs for a response of "
-                        f"{len(completion.response_ids)} tokens; run without --use-tis"
+                        f"{len(completion.response_ids)} tokens; run without --use-tis (with "
+                        "--max-staleness, give --no-use-tis)"
                     )
                 ok = reward is not None
                 tokens.append(group.prompt_ids + list(completion.response_ids))
