@@ -425,16 +425,18 @@ def _assert_loads_as_saved(loaded: dict, saved: dict) -> None:
 
 def test_resume_equals_uninterrupted(llama4_dropout_dir, tmp_path) -> None:
     """At PP=2, split unevenly (one layer, then three; tied embeddings), with attention
-    dropout on: save -> new processes -> load -> continue equals the uninterrupted run
-    bitwise (megatron's named RNG streams travel in the checkpoint), and the same
-    checkpoint loads in one process without pipelining, weights and AdamW moments
-    bitwise equal in HF names. (TP re-splitting is
+    dropout kept on (--keep-dropout): save -> new processes -> load -> continue equals
+    the uninterrupted run bitwise (megatron's named RNG streams travel in the
+    checkpoint), and the same checkpoint loads in one process without pipelining,
+    weights and AdamW moments bitwise equal in HF names. (TP re-splitting is
     ``test_checkpoint_is_dist_checkpointing_and_reshards``.)"""
     ckpt = str(tmp_path / "ckpt")
 
     def args(world: int, pp: int, *extra: str):
         if pp > 1:
             extra = (*extra, "--megatron-decoder-first-pipeline-num-layers", "1")
+        # --keep-dropout: RL forwards run without dropout unless asked (test_dropout.py).
+        extra = ("--keep-dropout", *extra)
         return actor_args(
             llama4_dropout_dir, world, "--num-rollout", "4", *extra, backend="megatron", pp=pp
         )

@@ -224,6 +224,12 @@ def _data(p: argparse._ArgumentGroup) -> None:
         "default: the embedded tiny model",
     )
     p.add_argument(
+        "--keep-dropout",
+        action="store_true",
+        help="keep the checkpoint's dropout in the RL forwards (log-probs, reference, "
+        "update); by default every dropout probability of its config is set to 0",
+    )
+    p.add_argument(
         "--prompt-data",
         default=None,
         metavar="FILE",

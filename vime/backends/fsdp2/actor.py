@@ -32,6 +32,7 @@ from transformers import AutoConfig
 from vime import checkpoint
 from vime import device as vime_device
 from vime.backends import varlen_attention
+from vime.backends.dropout import model_config
 from vime.backends.fsdp2 import lora as fsdp_lora
 from vime.backends.fsdp2 import model as fsdp_model
 from vime.backends.policy_actor import PolicyTrainActor
@@ -81,6 +82,8 @@ class FSDP2Actor(PolicyTrainActor):
                 "cpu_offload": args.fsdp_cpu_offload,
             },
             adapt=self._add_adapters if self.lora.enabled else None,
+            # Dropout off in every RL forward unless --keep-dropout (vime.backends.dropout).
+            config=model_config(self.hf_config, args.keep_dropout),
         )
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()

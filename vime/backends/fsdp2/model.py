@@ -12,6 +12,7 @@ and broadcasts the full state into everyone's shards. Non-persistent buffers
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -183,8 +184,12 @@ def load_sharded_model(
     attn_implementation: str,
     shard_kwargs: dict[str, Any],
     adapt: Callable[[torch.nn.Module], None] | None = None,
+    config: Any = None,
 ) -> torch.nn.Module:
     """The checkpoint's model in fp32 master weights, sharded over ``mesh``.
+
+    ``config`` is the HF config to build it from (default: the checkpoint's own; the
+    actor passes ``vime.backends.dropout.model_config`` of it).
 
     ``adapt`` changes the model before it is sharded (LoRA adds its adapters): it runs
     on rank 0's loaded copy, whose values every rank receives, and on each rank's meta
@@ -195,12 +200,16 @@ def load_sharded_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(hf_checkpoint)
+    if config is None:
+        config = AutoConfig.from_pretrained(hf_checkpoint)
     rank = dist.get_rank()
     full_state, full_buffers = {}, {}
     if rank == 0:
         full = AutoModelForCausalLM.from_pretrained(
-            hf_checkpoint, dtype=torch.float32, attn_implementation=attn_implementation
+            hf_checkpoint,
+            config=copy.deepcopy(config),
+            dtype=torch.float32,
+            attn_implementation=attn_implementation,
         )
         if adapt is not None:
             adapt(full)

@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 from vime import device as vime_device
 from vime.backends.collectives import all_reduce_sum
+from vime.backends.dropout import model_config
 from vime.backends.megatron import checkpoint as mcheckpoint
 from vime.backends.megatron import convert, pipeline
 from vime.backends.megatron import model as mmodel
@@ -156,7 +157,8 @@ class MegatronActor(PolicyTrainActor):
         """This stage's ``GPTModel`` with this rank's TP shard of the HF checkpoint loaded."""
         pipelined = self.pp > 1
         tcfg, _ = convert.transformer_config_from_hf(
-            self.hf_config,
+            # Dropout off in every RL forward unless --keep-dropout (vime.backends.dropout).
+            model_config(self.hf_config, self.args.keep_dropout),
             tp=self.tp,
             params_dtype=self.param_dtype,
             sequence_parallel=bool(self.args.megatron_sequence_parallel),
