@@ -2,13 +2,17 @@
 
 Proves: a load that arrives during a step runs as soon as that step ends, before the
 next one, even when the stepping thread asks again at once (a plain lock would let it
-keep going); steps and loads never overlap, and two loads never run together.
+keep going); steps and loads never overlap, and two loads never run together; a load
+whose wait raises is forgotten, so the steps after it go on.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
+
+import pytest
 
 from vime.rollout.step_gate import StepGate
 
@@ -61,3 +65,51 @@ def test_loads_run_one_at_a_time() -> None:
     for t in threads:
         t.join(10)
     assert most[0] == 1 and gate.loads_waiting == 0
+
+
+class Interrupted(Exception):
+    """What the test's signal handler raises inside the waiting load."""
+
+
+def test_a_load_whose_wait_raises_does_not_block_later_steps() -> None:
+    """A load interrupted while it waits for a step (a signal's exception raised in its
+    wait) leaves no load counted: the next step runs instead of waiting for ever."""
+    gate = StepGate()
+    in_step, end_step = threading.Event(), threading.Event()
+
+    def generation() -> None:
+        with gate.step():
+            in_step.set()
+            end_step.wait(10)
+
+    def interrupt_when_waiting() -> None:
+        deadline = time.monotonic() + 10
+        while gate.loads_waiting == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    def raise_interrupted(signum, frame) -> None:
+        raise Interrupted
+
+    stepping = threading.Thread(target=generation)
+    stepping.start()
+    assert in_step.wait(10)
+    # The handler runs in the main thread, this one: the load waits here.
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
+    try:
+        threading.Thread(target=interrupt_when_waiting, daemon=True).start()
+        with pytest.raises(Interrupted), gate.load():
+            pytest.fail("the load ran during a step")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        end_step.set()
+        stepping.join(10)
+    later = threading.Event()
+
+    def next_step() -> None:
+        with gate.step():
+            later.set()
+
+    threading.Thread(target=next_step, daemon=True).start()
+    assert later.wait(5), "a step after the interrupted load never ran"
+    assert gate.loads_waiting == 0

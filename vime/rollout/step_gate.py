@@ -7,7 +7,8 @@ the forward in progress, then runs alone; a step waits while a load is waiting o
 running. Loads go first: a plain lock released and taken again at every step would
 let a busy generation keep it for its whole length (the thread that releases a lock
 usually takes it back before a waiter wakes), so the weights would arrive only once
-the generation ended -- the draining that asynchrony exists to avoid.
+the generation ended -- the draining that asynchrony exists to avoid. A load whose
+wait raises stops counting as waiting, or every later step would wait for it for ever.
 """
 
 from __future__ import annotations
@@ -51,9 +52,15 @@ class StepGate:
         """A whole weight load: after the step in progress, before any later one."""
         with self._cond:
             self._loads_waiting += 1
-            while self._stepping or self._loading:
-                self._cond.wait()
-            self._loading = True
+            entered = False
+            try:
+                while self._stepping or self._loading:
+                    self._cond.wait()
+                self._loading = entered = True
+            finally:
+                if not entered:  # the wait raised (a signal, an interrupt): not waiting now
+                    self._loads_waiting -= 1
+                    self._cond.notify_all()
         try:
             yield  # runs without the condition held: a slow transfer blocks only steps
         finally:
