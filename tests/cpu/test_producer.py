@@ -3,8 +3,10 @@
 Proves, with two engines generating while new weights reach them after every rollout:
 no trained group is older than K versions; no prompt is trained twice; a checkpoint's
 data position (taken while calls are in flight) resumed by a new producer neither loses
-nor repeats a prompt, its pending prompts generated first; an engine killed while the
-producer runs stops the next ``take`` within seconds with the engine named.
+nor repeats a prompt, its pending prompts generated first; a custom generate function's
+trajectory with no model turn trains asynchronously as the synchronous loop trains it;
+an engine killed while the producer runs stops the next ``take`` within seconds with the
+engine named.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from vime.data.prompts import PromptSource, load_prompts, render_prompt
 from vime.data.tasks import CHARSET, get_task
 from vime.models.embedded import load_tokenizer, write_embedded_checkpoint
 from vime.ray.placement import ActorFailure, Layout, init_local_ray, reserve
+from vime.rollout.agent import AgentRollouts, Trajectory
 from vime.rollout.manager import RolloutManager
 from vime.rollout.producer import ProducerSettings, RolloutProducer
 from vime.rollout.rewards import build_reward_scorer
@@ -46,7 +49,7 @@ def world(tmp_path_factory: pytest.TempPathFactory):
         ray.shutdown()
 
 
-def make_producer(checkpoint: str, engines, *, state=None, version: int = 0) -> RolloutProducer:
+def make_manager(checkpoint: str, engines, *, agent_fn=None) -> RolloutManager:
     args = parse_args(
         [
             *("--rollout-batch-size", str(B), "--n-samples-per-prompt", "2"),
@@ -59,7 +62,17 @@ def make_producer(checkpoint: str, engines, *, state=None, version: int = 0) -> 
     ids = {p.index: render_prompt(p.text, tokenizer, False) for p in prompts}
     source = PromptSource(prompts, seed=args.seed)
     scorer = build_reward_scorer(args, get_task("reverse").reward)
-    manager = RolloutManager(args, engines, tokenizer, scorer, source, ids)
+    agent = None
+    if agent_fn is not None:
+        agent = AgentRollouts(agent_fn, engines, args.rollout_max_response_len)
+    return RolloutManager(args, engines, tokenizer, scorer, source, ids, agent=agent)
+
+
+def make_producer(
+    checkpoint: str, engines, *, state=None, version: int = 0, agent_fn=None
+) -> RolloutProducer:
+    manager = make_manager(checkpoint, engines, agent_fn=agent_fn)
+    args = manager.args
     pending = []
     if state is not None:
         manager.load_state_dict(state)
@@ -120,6 +133,60 @@ def test_bounded_staleness_and_each_prompt_once_across_a_resume(world) -> None:
     # the resumed run's first rollouts (or one more while fresh ones finish beside them).
     soon = resumed[: B * (len(state["pending"]) // B + 2)]
     assert set(state["pending"]) <= set(soon)
+
+
+async def silent_sometimes(sample, engine) -> Trajectory:
+    """A custom generate function: the environment writes sample 0's response, no model
+    turn; sample 1 has one model turn on odd prompts, none on even ones."""
+    traj = Trajectory()
+    if sample.sample_index == 1 and sample.prompt.index % 2:
+        traj.add_turn(await engine.generate(sample.prompt_ids, max_new_tokens=4))
+    else:
+        traj.add_env(sample.prompt_ids[-3:])
+    traj.reward = float(sample.sample_index)
+    return traj
+
+
+def rows(batch) -> dict[tuple, tuple]:
+    """Each sample of a batch by (prompt ids, place in its group): tokens, mask, log-probs
+    and advantage."""
+    out = {}
+    for k, (tokens, length) in enumerate(zip(batch.tokens, batch.prompt_lengths, strict=True)):
+        key = (tuple(tokens[:length]), k % 2)
+        logps = batch.rollout_log_probs[k]
+        out[key] = (tuple(tokens), tuple(batch.loss_masks[k]), tuple(logps), batch.advantages[k])
+    return out
+
+
+def test_trajectories_without_a_model_turn_train_asynchronously(world) -> None:
+    """A trajectory with no model turn (a whole group of them, or beside one that has a
+    turn) is taken by the producer and becomes the sample the synchronous loop makes."""
+    checkpoint, engines = world
+    sync(engines, checkpoint, 0)
+    manager = make_manager(checkpoint, engines, agent_fn=silent_sometimes)
+    expected = {}
+    for r in range(2):
+        expected.update(rows(manager.generate(r)[0]))
+    producer = make_producer(checkpoint, engines, agent_fn=silent_sometimes)
+    producer.start()
+    got, taken = {}, []
+    try:  # the (K + 1) * B groups admitted at version 0, no weights synced
+        for r in range(2):
+            batch, metrics = producer.take(r)
+            assert metrics["async/staleness_max"] <= K
+            got.update(rows(batch))
+            taken += [p for p, _ in producer.last_taken]
+    finally:
+        producer.close()
+    assert len(got) == 2 * B * 2 and set(got) == set(expected)
+    odd = [p for p in taken if p % 2]
+    assert 0 < len(odd) < len(taken), "want groups with and without a model turn"
+    for key, (tokens, mask, logps, advantage) in got.items():
+        want = expected[key]
+        assert advantage == want[3]
+        if 1 in mask:  # a model turn: drawn with the producer's own seed
+            continue
+        assert (tokens, mask, logps) == want[:3]
 
 
 def test_a_dead_engine_stops_the_next_take(world) -> None:

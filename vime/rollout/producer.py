@@ -10,7 +10,10 @@ others generate, and wait in ``ReadyGroups``; ``take`` hands the trainer the fir
 ``--rollout-batch-size`` groups to finish that are at most K versions old. New
 weights reach the engines while they generate (``vime.rollout.step_gate``). With
 multi-turn rollouts (``vime.rollout.agent``) a call is its groups' turn loop, run in a
-driver thread, every turn on that call's engine.
+driver thread, every turn on that call's engine. A group's version is the oldest that
+sampled one of its tokens; a trajectory with no model turn (a custom generate function
+may return one) has no such token and counts for nothing there, and a group of nothing
+but those has the version its call was admitted at; it trains as in the synchronous loop.
 
 Data: prompts are drawn from the run's one ``PromptSource`` (each read once per
 epoch). A group filtered out by dynamic sampling is consumed, as in the synchronous
@@ -70,13 +73,25 @@ class ProducerSettings:
 class _Call:
     engine: int
     prompts: list[Prompt]
+    version: int  # what the engines served when it was admitted
 
 
-def _oldest_version(group: Any) -> int:
-    versions = [c.weight_versions for c in group.completions]
-    if any(v is None for v in versions):
+@dataclass
+class _Ready:
+    """A scored group and the oldest weight version that sampled it."""
+
+    group: Any
+    version: int
+
+
+def _oldest_version(group: Any, admitted: int) -> int:
+    """The oldest version that sampled a token of ``group``; ``admitted`` (the version
+    served when its call started) for a group with no model token, which no version
+    sampled (a generate function's trajectory without a model turn)."""
+    sampled = [c for c in group.completions if c.generated]
+    if any(c.weight_versions is None for c in sampled):
         raise RuntimeError("an engine returned completions without weight versions")
-    return min(v[0] for v in versions)
+    return min((c.weight_versions[0] for c in sampled), default=admitted)
 
 
 class RolloutProducer:
@@ -98,7 +113,7 @@ class RolloutProducer:
         self.admission = Admission(
             settings.batch_size, settings.max_staleness, first_rollout=weight_version
         )
-        self.ready: ReadyGroups[Any] = ReadyGroups(_oldest_version, settings.max_staleness)
+        self.ready: ReadyGroups[_Ready] = ReadyGroups(lambda r: r.version, settings.max_staleness)
         by_index = {p.index: p for p in manager.source.prompts}
         self._retry: collections.deque[Prompt] = collections.deque(
             by_index[i] for i in pending or ()
@@ -143,13 +158,13 @@ class RolloutProducer:
             while True:
                 if self._error is not None:
                     raise self._error
-                groups, stale = self.ready.take(self.settings.batch_size, rollout_id)
+                taken, stale = self.ready.take(self.settings.batch_size, rollout_id)
                 if stale:  # finished too late for any rollout to come: generate them again
                     self.admission.discard(len(stale))
-                    self._retry.extend(g.prompt for g in stale)
+                    self._retry.extend(r.group.prompt for r in stale)
                     self._counts["stale"] += len(stale)
                     self._cond.notify_all()
-                if groups:
+                if taken:
                     break
                 if self._exhausted and not self._in_flight and not self._retry:
                     raise DataExhausted(f"the prompts ran out during rollout {rollout_id}")
@@ -159,7 +174,8 @@ class RolloutProducer:
             self._last_take = now
             in_flight = sum(len(c.prompts) for c in self._in_flight.values())
             buffered = len(self.ready)
-        self.last_taken = [(g.prompt.index, _oldest_version(g)) for g in groups]
+        groups = [r.group for r in taken]
+        self.last_taken = [(r.group.prompt.index, r.version) for r in taken]
         staleness = [rollout_id - v for _, v in self.last_taken]
         metrics = self.manager.batch_metrics(
             groups, failures=counts["failures"], drawn=counts["drawn"]
@@ -185,7 +201,7 @@ class RolloutProducer:
         indices of prompts drawn and not yet trained, both taken at one instant."""
         with self._cond:
             calls = [p for c in self._in_flight.values() for p in c.prompts]
-            ready = [g.prompt for g in self.ready.groups]
+            ready = [r.group.prompt for r in self.ready.groups]
             pending = [p.index for p in [*self._retry, *calls, *ready]]
             return {**self.manager.state_dict(), "pending": pending}
 
@@ -240,7 +256,7 @@ class RolloutProducer:
                     params = self.manager.sampling_params(seed)
                     self._calls += 1
                     ref = self._submit(engine, prompts, params)
-                    self._in_flight[ref] = _Call(engine, prompts)
+                    self._in_flight[ref] = _Call(engine, prompts, self._engine_version)
                     busy += 1
 
     def _submit(self, engine: int, prompts: list[Prompt], params: Any) -> Any:
@@ -269,17 +285,18 @@ class RolloutProducer:
         else:
             completions = ref.result()
         groups = self.manager.score(call.prompts, completions)
+        versions = [_oldest_version(g, call.version) for g in groups]
         warning = self.manager.scorer.failure_warning()
         if warning:
             self.manager.warn(f"vime: asynchronous rollout: {warning}")
         with self._cond:
             del self._in_flight[ref]
-            for group in groups:
+            for group, version in zip(groups, versions, strict=True):
                 self._counts["failures"] += sum(r is None for r in group.rewards)
                 self._counts["tokens"] += sum(c.generated for c in group.completions)
                 if self.settings.dynamic_sampling_filter and _all_agree(group.rewards):
                     self.admission.discard()
                     self._counts["filtered"] += 1
                 else:
-                    self.ready.add(group)
+                    self.ready.add(_Ready(group, version))
             self._cond.notify_all()
