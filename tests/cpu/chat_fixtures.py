@@ -89,6 +89,7 @@ SPECIALS = [
     "</tool_response>",
     "<think>",
     "</think>",
+    "<|endoftext|>",  # a stop token besides the end of turn (Qwen's generation config has both)
 ]
 
 # Written for these tests in the format of Qwen3's template: tools as JSON lines

@@ -32,10 +32,12 @@ from vime.rollout.types import Completion, SamplingParams
 
 class ScriptedEngine:
     """Answers turn t of sample i with ``script[i][t]`` (text, encoded, then the end of
-    turn), cut to the call's budget; records each turn's context."""
+    turn unless the text ends on one of ``stops``), cut to the call's budget; records
+    each turn's context."""
 
-    def __init__(self, tokenizer, script: list[list[str]], eot: int) -> None:
+    def __init__(self, tokenizer, script: list[list[str]], eot: int, stops=()) -> None:
         self.tokenizer, self.script, self.eot = tokenizer, script, eot
+        self.stops = {eot, *stops}
         self.contexts: dict[tuple[int, int], list[int]] = {}
 
     def generate(self, prompts, params):
@@ -44,8 +46,10 @@ class ScriptedEngine:
             sample, turn = divmod(stream, CALLS_PER_SAMPLE)
             self.contexts[sample, turn] = list(prompt)
             ids = self.tokenizer.encode(self.script[sample][turn], add_special_tokens=False)
-            ids = [*ids, self.eot][: params.max_new_tokens]
-            finish = "stop" if ids and ids[-1] == self.eot else "length"
+            if not ids or ids[-1] not in self.stops:
+                ids = [*ids, self.eot]
+            ids = ids[: params.max_new_tokens]
+            finish = "stop" if ids and ids[-1] in self.stops else "length"
             logps = [-1.0 - k for k in range(len(ids))]
             out.append([Completion(list(prompt), ids, logps, finish)])
         return out
@@ -204,6 +208,33 @@ def test_chat_tool_turns_are_the_template_tail_and_outputs_truncate(chat, box) -
     assert text.startswith("\n<|im_start|>user\n<tool_response>\n")
     assert "…[truncated]" in text and "3.14159" not in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_turn_ended_by_another_stop_token_is_closed_before_the_tool_turn(chat, box) -> None:
+    """A call turn that stopped on a token other than the template's end of turn (here
+    ``<|endoftext|>``) gets that end of turn as an environment token (mask 0): the next
+    turn's context is the template's rendering of the conversation, token for token."""
+    eot = chat.convert_tokens_to_ids("<|im_end|>")
+    other = chat.convert_tokens_to_ids("<|endoftext|>")
+    loop = ToolLoop(box, chat, ToolLoopSettings(), stop_token_ids=[eot, other])
+    call = _call("add", '{"a": 2, "b": 3}')
+    engine = ScriptedEngine(chat, [[call + "<|endoftext|>", "5."]], eot, stops=[other])
+    (c,), _ = _run(loop, engine, ["What is 2 + 3?"], budget=4000)
+    model = chat.encode(call + "<|endoftext|>", add_special_tokens=False)
+    assert model[-1] == other and c.response_ids[: len(model)] == model
+    assert c.response_ids[len(model)] == eot and c.loss_mask[len(model)] == 0
+    # The model's tokens, then the template's rendering from its end of turn on.
+    messages = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "name": "add", "content": "5"},
+    ]
+    rendered = chat.apply_chat_template(
+        messages, tools=box.schemas, add_generation_prompt=True, tokenize=False
+    )
+    assert chat.decode(engine.contexts[0, 1]) == rendered.replace(call, call + "<|endoftext|>")
+    assert c.extra["agent"]["tool_calls"] == 1 and c.extra["agent"]["tool_errors"] == {}
+    assert c.extra["agent"]["turns"] == 2 and c.finish_reason == "stop"
 
 
 # ----- build_agent --------------------------------------------------------------------------

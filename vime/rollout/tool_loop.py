@@ -14,6 +14,14 @@ parses ``<tool_call>{json}</tool_call>`` (Qwen, Hermes) or a bare JSON call turn
 without a template (the embedded model's characters), reads a turn ``name arg ...``
 whose first word is a tool's name as a call with positional arguments, and appends
 the answer text followed by ``=`` (the built-in tasks' prompt end).
+
+A turn ends on its stop token. A tool turn is written to follow the format's end of
+turn (the template's end-of-turn token, ``<|im_end|>`` / ``<|eot_id|>``; EOS for
+``plain``). A call turn that stopped on another of the run's stop tokens
+(``--rollout-stop-token-ids``, e.g. ``<|endoftext|>``) is closed first: the end of turn
+is appended as an environment token (mask 0, never trained), so the context the
+model sees next is the template's, token for token, and the model's own tokens stay
+as it generated them.
 """
 
 from __future__ import annotations
@@ -73,6 +81,11 @@ class ToolFormat(Protocol):
 
     def parse(self, text: str) -> list[ToolCall] | ParseError: ...
 
+    @property
+    def end_of_turn_id(self) -> int | None:
+        """The token a model turn ends with before a tool turn follows it (None: none)."""
+        ...
+
     def answer_ids(
         self, state: Any, turn_text: str, results: Sequence[ToolResult]
     ) -> list[int]: ...
@@ -90,6 +103,10 @@ class ChatFormat:
 
     def parse(self, text: str) -> list[ToolCall] | ParseError:
         return parse_tool_calls(text)
+
+    @property
+    def end_of_turn_id(self) -> int:
+        return self.renderer.end_of_turn_id
 
     def answer_ids(
         self, state: list[dict[str, Any]], turn_text: str, results: Sequence[ToolResult]
@@ -111,6 +128,10 @@ class PlainFormat:
 
     def start(self, sample: AgentSample) -> None:
         return None
+
+    @property
+    def end_of_turn_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
 
     def parse(self, text: str) -> list[ToolCall] | ParseError:
         words = text.split()
@@ -174,6 +195,9 @@ class ToolLoop:
             traj.tool_seconds += sum(r.seconds for r in results)
             errors.update(r.kind for r in results if r.kind is not None)
             answer = self.format.answer_ids(state, text, results)
+            eot = self.format.end_of_turn_id
+            if eot is not None and turn.token_ids[-1:] != [eot]:  # another stop: close the turn
+                answer = [eot, *answer]
             if engine.room(context + traj.response_ids + answer) <= 0:
                 traj.cut, traj.finish_reason = CUT_BUDGET, "length"
                 break

@@ -62,7 +62,8 @@ class ToolTurnRenderer:
 
     @property
     def end_of_turn_id(self) -> int:
-        """The id the loop checks the generated ids end with before appending a tool turn."""
+        """The id a model turn ends with before a tool turn: the tool loop appends it (mask
+        0) to a turn that stopped on another stop token (``vime.rollout.tool_loop``)."""
         return self.tokenizer.convert_tokens_to_ids(self.end_of_turn)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool) -> str:
