@@ -7,7 +7,8 @@ that vime's packed rows forward no padding while the naive rows do; and that the
 idle-engine and engine-update benches run and report, and that the vime-vs-TRL bench
 runs both trainers on the same prompt ids and weights (where TRL is installed), and that
 the LoRA bench holds and syncs less than full-weight training, and that the LoRA engine
-bench's two vLLM paths (its own LoRA, the merge) serve the same model. No
+bench's two vLLM paths (its own LoRA, the merge) serve the same model, and that the
+ready-order simulation prints a row per setting and way of taking. No
 timing is asserted: the figures depend on the machine and its load.
 """
 
@@ -190,6 +191,15 @@ def test_async_loop_bench_smoke(tmp_path: Path) -> None:
     assert figures["rows"]["K=0"]["staleness_max"] is None
     assert 0 <= figures["rows"]["K=1"]["staleness_max"] <= 1
     assert figures["ratios"]["K=1"]["median"] > 0
+
+
+def test_ready_order_bench_smoke() -> None:
+    """``bench/ready_order.py --smoke``: the simulation runs on the real staleness
+    bookkeeping and prints its table, each setting taken both ways."""
+    result = _run_bench("ready_order.py", ["--smoke"], timeout=120)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| K=")]
+    assert len(rows) == 12, result.stdout
+    assert sum("| oldest first |" in row for row in rows) == 6
 
 
 def test_lora_bench_smoke(tmp_path: Path) -> None:

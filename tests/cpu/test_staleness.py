@@ -4,7 +4,8 @@ Proves: with random generation times on several engines, weights that arrive mid
 groups filtered out at random and groups that finish behind later ones, no trained
 group is ever more than K versions old, no prompt is trained twice, the loop never
 stalls, and generation runs at most K rollouts ahead; K = 1 admits two rollouts' worth
-at version 0; a batch is taken only whole.
+at version 0; a batch is taken only whole; the oldest groups are taken first, so one
+that finished behind newer ones is trained instead of going stale.
 """
 
 from __future__ import annotations
@@ -93,4 +94,16 @@ def test_a_batch_is_taken_only_whole_and_stale_ones_leave() -> None:
     assert ready.take(3, rollout=2) == ([], [Group(0, 0)])
     assert len(ready) == 2
     batch, stale = ready.take(2, rollout=2)
-    assert [g.prompt for g in batch] == [1, 2] and stale == [] and len(ready) == 0
+    assert [g.prompt for g in batch] == [2, 1] and stale == [] and len(ready) == 0  # oldest first
+
+
+def test_the_oldest_groups_are_taken_first_whatever_order_they_finished_in() -> None:
+    """A version-0 group that finished after three version-1 groups goes into rollout 1's
+    batch (s = 1 <= K) instead of waiting until rollout 2, where it would be stale."""
+    ready: ReadyGroups[Group] = ReadyGroups(lambda g: g.oldest, max_staleness=1)
+    for prompt, oldest in [(1, 1), (2, 1), (3, 1), (0, 0)]:  # finish order
+        ready.add(Group(prompt, oldest))
+    batch, stale = ready.take(2, rollout=1)
+    assert [g.prompt for g in batch] == [0, 1] and stale == []
+    batch, stale = ready.take(2, rollout=2)
+    assert [g.prompt for g in batch] == [2, 3] and stale == []

@@ -6,8 +6,9 @@ keeps every engine busy: ``calls_per_engine`` calls of ``groups_per_call`` promp
 each queued on it, a new call admitted the moment one returns, as far as
 ``vime.rollout.staleness.Admission`` allows (at most K rollouts ahead of the weights
 the engines serve). Each call's groups are scored as soon as it returns, while the
-others generate, and wait in ``ReadyGroups``; ``take`` hands the trainer the first
-``--rollout-batch-size`` groups to finish that are at most K versions old. New
+others generate, and wait in ``ReadyGroups``; ``take`` hands the trainer the
+``--rollout-batch-size`` oldest groups (by weight version, then admission) that are at
+most K versions old, whatever order they finished in. New
 weights reach the engines while they generate (``vime.rollout.step_gate``). With
 multi-turn rollouts (``vime.rollout.agent``) a call is its groups' turn loop, run in a
 driver thread, every turn on that call's engine. A group's version is the oldest that
@@ -74,14 +75,16 @@ class _Call:
     engine: int
     prompts: list[Prompt]
     version: int  # what the engines served when it was admitted
+    admitted: int  # the admission number of its first group (Admission.started before it)
 
 
 @dataclass
 class _Ready:
-    """A scored group and the oldest weight version that sampled it."""
+    """A scored group, the oldest weight version that sampled it, its admission number."""
 
     group: Any
     version: int
+    admitted: int
 
 
 def _oldest_version(group: Any, admitted: int) -> int:
@@ -113,7 +116,9 @@ class RolloutProducer:
         self.admission = Admission(
             settings.batch_size, settings.max_staleness, first_rollout=weight_version
         )
-        self.ready: ReadyGroups[_Ready] = ReadyGroups(lambda r: r.version, settings.max_staleness)
+        self.ready: ReadyGroups[_Ready] = ReadyGroups(
+            lambda r: r.version, settings.max_staleness, order=lambda r: (r.version, r.admitted)
+        )
         by_index = {p.index: p for p in manager.source.prompts}
         self._retry: collections.deque[Prompt] = collections.deque(
             by_index[i] for i in pending or ()
@@ -250,13 +255,14 @@ class RolloutProducer:
                     prompts = self._draw(min(room, settings.groups_per_call))
                     if not prompts:
                         return
+                    admitted = self.admission.started
                     self.admission.start(len(prompts))
                     # Seeded by the rollout this producer started at and the call's number.
                     seed = rollout_seed(settings.seed, self.admission.first_rollout, self._calls)
                     params = self.manager.sampling_params(seed)
                     self._calls += 1
                     ref = self._submit(engine, prompts, params)
-                    self._in_flight[ref] = _Call(engine, prompts, self._engine_version)
+                    self._in_flight[ref] = _Call(engine, prompts, self._engine_version, admitted)
                     busy += 1
 
     def _submit(self, engine: int, prompts: list[Prompt], params: Any) -> Any:
@@ -291,12 +297,12 @@ class RolloutProducer:
             self.manager.warn(f"vime: asynchronous rollout: {warning}")
         with self._cond:
             del self._in_flight[ref]
-            for group, version in zip(groups, versions, strict=True):
+            for k, (group, version) in enumerate(zip(groups, versions, strict=True)):
                 self._counts["failures"] += sum(r is None for r in group.rewards)
                 self._counts["tokens"] += sum(c.generated for c in group.completions)
                 if self.settings.dynamic_sampling_filter and _all_agree(group.rewards):
                     self.admission.discard()
                     self._counts["filtered"] += 1
                 else:
-                    self.ready.add(_Ready(group, version))
+                    self.ready.add(_Ready(group, version, call.admitted + k))
             self._cond.notify_all()

@@ -16,13 +16,20 @@ start once the engines serve v >= floor(L / B) - K, i.e. while L < (v + K + 1) *
 generation runs at most K rollouts ahead and a group trained in order is never stale.
 One that finishes behind later ones can still reach the trainer with s > K: it is
 taken out then, counted, and its prompt goes back to be generated again.
+
+Taking: the oldest waiting groups first (by the version of their oldest token, then by
+``order``: the producer's admission order), not the first to finish. A group's time runs
+out at rollout v_min + K, so the oldest has the least left; taken in finish order, the
+groups that finish late (the long responses) wait behind newer ones, go stale and are
+generated again, and the trained batches lean to short responses
+(``bench/ready_order.py`` measures it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 G = TypeVar("G")
 
@@ -60,14 +67,17 @@ class Admission:
 
 @dataclass
 class ReadyGroups(Generic[G]):
-    """Scored groups waiting for the trainer, oldest finished first.
+    """Scored groups waiting for the trainer, taken oldest first.
 
-    ``oldest_version(group)`` is the version that sampled the group's oldest token.
+    ``oldest_version(group)`` is the version that sampled the group's oldest token;
+    ``order(group)``, when given, the key groups are taken by (default: that version,
+    ties in the order they finished).
     """
 
     oldest_version: Callable[[G], int]
     max_staleness: int
     groups: list[G] = field(default_factory=list)
+    order: Callable[[G], Any] | None = None
 
     def add(self, group: G) -> None:
         self.groups.append(group)
@@ -76,8 +86,8 @@ class ReadyGroups(Generic[G]):
         return len(self.groups)
 
     def take(self, n: int, rollout: int) -> tuple[list[G], list[G]]:
-        """``(batch, stale)``: the first ``n`` groups to finish that rollout ``rollout`` may
-        train (s <= K), or none while fewer wait; and every waiting group already too
+        """``(batch, stale)``: the ``n`` oldest groups (by ``order``) that rollout ``rollout``
+        may train (s <= K), or none while fewer wait; and every waiting group already too
         old for it (they would only age: out of the buffer, to be generated again)."""
         fresh: list[G] = []
         stale: list[G] = []
@@ -87,5 +97,6 @@ class ReadyGroups(Generic[G]):
         if len(fresh) < n:
             self.groups = fresh
             return [], stale
+        fresh.sort(key=self.order or self.oldest_version)  # stable: then in finish order
         self.groups = fresh[n:]
         return fresh[:n], stale
