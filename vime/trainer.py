@@ -29,7 +29,9 @@ from vime.data.prompts import (
     builtin_task_of,
     filter_prompt_lengths,
     load_prompts,
+    prompts_per_rollout,
     render_prompt,
+    run_length,
 )
 from vime.profiling import PhaseClock, TimedCalls
 from vime.ray.engines import EngineGroup
@@ -122,12 +124,9 @@ class Run:
         self.toolbox = load_tools(args.tools) if args.tools else None
         train_prompts, self.prompt_ids, dropped = self._prompts(args, args.prompt_data)
         source = PromptSource(train_prompts, num_epoch=args.num_epoch, seed=args.seed)
-        num_rollout = args.num_rollout or source.total_batches(args.rollout_batch_size)
-        if num_rollout < 1:
-            raise ValueError(
-                f"{len(train_prompts)} prompts make no full rollout of --rollout-batch-size "
-                f"{args.rollout_batch_size}; lower it or add data"
-            )
+        # Over-sampling draws more prompts a rollout: the run is as long as the data feeds.
+        per_rollout = prompts_per_rollout(args.rollout_batch_size, args.over_sampling_factor)
+        num_rollout = run_length(source, per_rollout, args.num_rollout)
         # Resolved once here so every process sees the same values (the LR schedule needs
         # the run length; the actors need the checkpoint the embedded default wrote).
         self.args = args = args.replace(

@@ -15,7 +15,9 @@ out) and advantage code, that:
   filter);
 - ``--use-tis`` without the engine's per-token log-probs stops with one line;
 - when the prompts run out the short batch is filled from dropped groups if it
-  can be, else ``DataExhausted``;
+  can be, else ``DataExhausted``; the default run length (``run_length``) is as many
+  rollouts as the data feeds at the prompts one draws, over-sampling included, and an
+  explicit --num-rollout the data cannot feed is refused;
 - a sample whose reward raised or timed out has an all-zero loss mask and
   advantage 0, the others' advantages are those of the group with the failed
   sample scoring the mean of the rest (worked out by hand here), and
@@ -422,3 +424,40 @@ def test_trajectories_train_the_models_tokens_and_reward_the_final_answer(
     assert metrics["agent/turns_mean"] == 2 and metrics["agent/tool_calls"] == 8
     assert metrics["agent/calling_frac"] == 1.0 and metrics["agent/env_tokens_mean"] == 3
     assert metrics["agent/model_tokens_mean"] == pytest.approx(5 + 2.5)
+
+
+def test_default_num_rollout_is_what_over_sampling_can_feed(tmp_path, tokenizer) -> None:
+    """With --over-sampling-factor 1.5 a rollout of 2 groups draws 3 prompts: the default
+    run length over 12 prompts is 4 rollouts, every one of them full, not 12 / 2 = 6."""
+    from vime.data.prompts import prompts_per_rollout, run_length
+
+    flags = ["--rm-type", "exact", "--dynamic-sampling-filter", "--over-sampling-factor", "1.5"]
+    manager, _ = _setup(tmp_path, tokenizer, [MIXED] * 12, *flags)
+    args = manager.args
+    per_rollout = prompts_per_rollout(args.rollout_batch_size, args.over_sampling_factor)
+    num_rollout = run_length(manager.source, per_rollout)
+    assert (per_rollout, num_rollout) == (3, 4)
+    for rollout_id in range(num_rollout):
+        _, metrics = manager.generate(rollout_id)
+        assert metrics["rollout/prompts_drawn"] == 3.0
+    assert manager.source.exhausted  # the run uses all the data it was given
+    with pytest.raises(DataExhausted):
+        manager.generate(num_rollout)
+
+
+def test_num_rollout_the_data_cannot_feed_is_refused(tmp_path, tokenizer) -> None:
+    """An explicit --num-rollout needing more prompts than --num-epoch passes hold stops
+    the run before it starts (one line), rather than ending it early mid-LR-schedule."""
+    from vime.config.errors import ConfigError
+    from vime.data.prompts import prompts_per_rollout, run_length
+
+    flags = ["--rm-type", "exact", "--dynamic-sampling-filter"]
+    manager, _ = _setup(tmp_path, tokenizer, [MIXED] * 12, *flags)
+    per_rollout = prompts_per_rollout(2, manager.args.over_sampling_factor)
+    assert run_length(manager.source, per_rollout, requested=4) == 4
+    with pytest.raises(ConfigError, match=r"--num-rollout 5 needs 15 prompts .* hold 12;"):
+        run_length(manager.source, per_rollout, requested=5)
+    # Without over-sampling a rollout draws --rollout-batch-size prompts.
+    assert run_length(manager.source, prompts_per_rollout(2, None)) == 6
+    with pytest.raises(ConfigError, match="make no full rollout"):
+        run_length(manager.source, prompts_per_rollout(13, None))

@@ -271,7 +271,8 @@ def _data(p: argparse._ArgumentGroup) -> None:
         "--num-rollout",
         type=positive_int,
         default=None,
-        help="rollouts to run (default: as many as --num-epoch allows)",
+        help="rollouts to run, which the data must feed (default: as many as --num-epoch "
+        "passes feed, at --rollout-batch-size x --over-sampling-factor prompts each)",
     )
     p.add_argument("--num-epoch", type=positive_int, default=1, help="passes over the prompts")
     p.add_argument(

@@ -17,6 +17,7 @@ conversation handed to the tokenizer's chat template.
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -392,7 +393,8 @@ class PromptSource:
         return len(self.prompts) // n
 
     def total_batches(self, n: int) -> int:
-        """Whole batches of ``n`` in all epochs: the default --num-rollout."""
+        """Whole batches of ``n`` in all epochs (``run_length``'s default, n the prompts a
+        rollout draws)."""
         return self.num_epoch * len(self.prompts) // n
 
     def state_dict(self) -> dict:
@@ -421,3 +423,42 @@ class PromptSource:
             raise ConfigError(f"checkpoint prompt position {position} is out of range")
         self._start_epoch(int(state["epoch"]))
         self.position = position
+
+
+def prompts_per_rollout(batch_size: int, over_sampling_factor: float | None = None) -> int:
+    """Prompts one rollout draws at the least: ``batch_size`` (--rollout-batch-size), or
+    with dynamic sampling its first round's ceil(``over_sampling_factor`` x ``batch_size``),
+    the same count ``RolloutManager.generate`` asks for."""
+    if over_sampling_factor is None:
+        return batch_size
+    return math.ceil(batch_size * over_sampling_factor)
+
+
+def run_length(source: PromptSource, per_rollout: int, requested: int | None = None) -> int:
+    """The run's rollouts, which also set its LR schedule's length.
+
+    ``requested`` (--num-rollout) if the data can feed it, else by default as many
+    rollouts of ``per_rollout`` prompts (``prompts_per_rollout``) as all --num-epoch
+    passes over ``source`` hold. ConfigError when that is not one rollout, or when
+    ``requested`` needs more prompts than the passes hold: such a run would stop early
+    with its LR schedule unfinished. A dynamic-sampling round beyond the first draws
+    more, so such a run can still run out of data sooner (``DataExhausted``, logged).
+    """
+    fed = source.total_batches(per_rollout)
+    held = source.num_epoch * len(source)
+    if fed < 1:
+        raise ConfigError(
+            f"{len(source)} prompts make no full rollout of {per_rollout} prompts "
+            f"(--rollout-batch-size, times --over-sampling-factor with dynamic sampling); "
+            "lower it or add data"
+        )
+    if requested is None:
+        return fed
+    if requested > fed:
+        raise ConfigError(
+            f"--num-rollout {requested} needs {requested * per_rollout} prompts "
+            f"({per_rollout} a rollout) but --num-epoch {source.num_epoch} of the "
+            f"{len(source)} prompts hold {held}; lower --num-rollout to {fed} at most, "
+            "or raise --num-epoch"
+        )
+    return requested
