@@ -14,6 +14,8 @@ lists the ones that exist. With --lora-modules-to-save norm every norm trains in
 beside the adapters, travels at every sync under its own name, is the original in the
 reference, and the same sync, reference and export checks hold, also for a tied head's
 embedding (one trained copy serves both); an unknown module lists those that exist.
+With bf16 compute on an fp32 checkpoint the base is stored in bf16, yet the merged
+export writes every layer without an adapter bit for bit as the checkpoint has it.
 """
 
 from __future__ import annotations
@@ -150,6 +152,9 @@ def scenario_bf16(actor, args, start):
         out["metrics"] = actor.train(sched)
         out["ref_after"] = _gathered(actor.compute_log_probs(sched, "ref"))
         out["first_sync"] = {n: t.dtype for b in actor.sync_buckets(BUCKET) for n, t in b}
+    if args.save_hf_merged:
+        actor.export_hf(args.save_hf_merged, merged=True)
+        out["adapters"] = _adapters(actor)
     return out
 
 
@@ -422,13 +427,26 @@ def test_a_checkpoint_of_another_lora_shape_is_refused(hf_dir, tmp_path) -> None
     assert "--lora-rank" in got["error"]
 
 
-def test_bf16_compute_stores_the_base_in_bf16_and_computes_as_before(hf_dir, tmp_path) -> None:
+BF16 = ("--fsdp-param-dtype", "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def bf16_lora(hf_dir, tmp_path_factory) -> dict:
+    """A LoRA actor computing in bf16 on the fp32 checkpoint: one step, then the merged
+    export (under ``"merged"``)."""
+    tmp = tmp_path_factory.mktemp("lora_bf16")
+    args = actor_args(hf_dir, 2, *LORA, *BF16, "--save-hf-merged", str(tmp / "merged"))
+    return {**spawn(_job, 2, tmp, "bf16", args), "merged": tmp / "merged"}
+
+
+def test_bf16_compute_stores_the_base_in_bf16_and_computes_as_before(
+    hf_dir, bf16_lora, tmp_path
+) -> None:
     """With bf16 compute the frozen base is stored in bf16 (adapters stay fp32), and the
     LoRA actor's log-probs, at start and as the reference after a step, are bit for bit
     those of a full-weight actor whose fp32 master weights are cast for each forward."""
-    bf16 = ("--fsdp-param-dtype", "bfloat16")
-    lora = spawn(_job, 2, tmp_path, "bf16", actor_args(hf_dir, 2, *LORA, *bf16))
-    full = spawn(_job, 2, tmp_path, "bf16", actor_args(hf_dir, 2, *bf16))
+    lora = bf16_lora
+    full = spawn(_job, 2, tmp_path, "bf16", actor_args(hf_dir, 2, *BF16))
     adapters = {n: d for n, d in lora["dtypes"].items() if ".lora_" in n}
     base = {n: d for n, d in lora["dtypes"].items() if ".lora_" not in n}
     assert len(adapters) == 28 and set(adapters.values()) == {torch.float32}
@@ -442,6 +460,34 @@ def test_bf16_compute_stores_the_base_in_bf16_and_computes_as_before(hf_dir, tmp
     # The base travels in the dtype the engines load (the checkpoint's), adapters in fp32.
     sync = lora["first_sync"]
     assert {d for n, d in sync.items() if ".lora_" in n} == {torch.float32}
+
+
+def test_merged_export_keeps_the_fp32_base_bit_exact_under_bf16_compute(hf_dir, bf16_lora) -> None:
+    """The merged export of a bf16-compute run on an fp32 checkpoint writes every layer
+    without an adapter bit for bit as the checkpoint has it, and each adapted one as
+    ``W + s·B A`` merged in fp32 from the checkpoint's W, not from the bf16-stored base."""
+    from safetensors.torch import load_file
+
+    from vime.weights.lora import merge
+
+    source = load_file(str(Path(hf_dir) / "model.safetensors"))
+    written = load_file(str(bf16_lora["merged"] / "model.safetensors"))
+    assert set(written) == set(source)
+    adapters = bf16_lora["adapters"]
+    adapted = {n.removesuffix(".lora_A.weight") for n in adapters if n.endswith(".lora_A.weight")}
+    assert len(adapted) == 14
+    untouched = [n for n in source if n.removesuffix(".weight") not in adapted]
+    assert len(untouched) == len(source) - 14 and "model.embed_tokens.weight" in untouched
+    rounded = [n for n in untouched if not torch.equal(source[n].bfloat16().float(), source[n])]
+    assert rounded  # the check below can tell the bf16-stored base from the checkpoint's
+    for name in untouched:
+        assert written[name].dtype == torch.float32, name
+        assert torch.equal(written[name], source[name]), name
+    scale = ALPHA / RANK
+    for layer in adapted:
+        a, b = adapters[f"{layer}.lora_A.weight"], adapters[f"{layer}.lora_B.weight"]
+        want = merge(source[f"{layer}.weight"], a, b, scale, torch.float32)
+        assert torch.equal(written[f"{layer}.weight"], want), layer
 
 
 def test_a_target_matching_no_linear_layer_lists_them(hf_dir) -> None:

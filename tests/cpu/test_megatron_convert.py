@@ -43,6 +43,7 @@ pytest.importorskip("megatron.core")
 from vime.backends.megatron import convert
 from vime.backends.megatron import model as mmodel
 from vime.data.micro_batch import pack_micro_batch, response_log_probs
+from vime.weights.hf_files import LazyHFState
 from vime.weights.transports import free_port
 
 # Not a multiple of 128: the vocab padding is exercised (128 rows at TP=1, 256 at TP=2).
@@ -130,7 +131,7 @@ def test_a_stage_reads_only_its_own_tensors_from_disk(tmp_path: Path) -> None:
     model = _hf_model(config)
     model.save_pretrained(tmp_path, max_shard_size="200KB")  # several files, as real ones
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
-    lazy = convert.LazyHFState(str(tmp_path))
+    lazy = LazyHFState(str(tmp_path))
     state = model.state_dict()
     assert set(lazy) == set(state) - {"lm_head.weight"} or set(lazy) == set(state)
     for name in lazy:
@@ -140,7 +141,7 @@ def test_a_stage_reads_only_its_own_tensors_from_disk(tmp_path: Path) -> None:
     stage = {n for n in whole if n.startswith("decoder.layers.1.")}
     reads: list[str] = []
 
-    class Counting(convert.LazyHFState):
+    class Counting(LazyHFState):
         def __getitem__(self, key: str) -> torch.Tensor:
             reads.append(key)
             return super().__getitem__(key)

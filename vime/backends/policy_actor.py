@@ -452,10 +452,15 @@ class PolicyTrainActor(TrainActor):
         dtype = getattr(self.hf_config, "dtype", None) or torch.float32
         return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
+    def _export_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The full weights ``export_hf`` writes (a collective): ``weight_buckets``, unless a
+        backend holds some in less than the checkpoint's precision."""
+        return self.weight_buckets(bucket_bytes)
+
     def export_hf(self, path: str, merged: bool = False) -> None:
         """Write the model at ``path`` as an HF folder (``merged``: always the full
         weights, even where a backend exports less, such as LoRA's adapter folder)."""
-        buckets = self.weight_buckets(self.args.update_weight_buffer_size)
+        buckets = self._export_buckets(self.args.update_weight_buffer_size)
         if self.rank != 0:
             for _ in buckets:  # take part in the gathers; rank 0 writes
                 pass

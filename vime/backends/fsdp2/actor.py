@@ -11,7 +11,7 @@ full tensors for the weight source), sleep/wake, and the DCP state that reshards
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,6 +37,7 @@ from vime.backends.fsdp2 import lora as fsdp_lora
 from vime.backends.fsdp2 import model as fsdp_model
 from vime.backends.policy_actor import PolicyTrainActor
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
+from vime.weights.hf_files import LazyHFState
 from vime.weights.lora import LoraSettings, merge, write_peft_folder
 
 
@@ -180,35 +181,70 @@ class FSDP2Actor(PolicyTrainActor):
         self._engines_have_base = True
 
     def _entry(
-        self, name: str, param: torch.Tensor, dtype: torch.dtype | None = None
+        self,
+        name: str,
+        param: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        full: Callable[[], torch.Tensor] | None = None,
     ) -> WeightEntry:
-        """``param`` under its wire name, gathered and cast (the checkpoint's dtype) when
-        its bucket is asked for."""
+        """``param`` under its wire name, gathered (or ``full()``) and cast (the checkpoint's
+        dtype) when its bucket is asked for."""
         dtype = dtype or self._hf_dtype()
+        full = full or (lambda p=param: _full(p))
         return WeightEntry(
             fsdp_lora.wire_name(name),
             tensor_nbytes(param.shape, dtype),
             # On the rank's device even when the shards are offloaded to the host: a
             # colocated engine opens the tensors through CUDA IPC.
-            lambda p=param: _full(p).detach().to(self.device, dtype),
+            lambda: full().detach().to(self.device, dtype),
         )
 
-    def _merged_entries(self) -> Iterator[WeightEntry]:
+    def _merged_entries(self, source: LazyHFState | None = None) -> Iterator[WeightEntry]:
+        """Every weight under its HF name, each adapted layer merged (``W + s·B A``, fp32).
+        With ``source`` (the checkpoint) a frozen base weight W is the checkpoint's own
+        wherever it has it (``_base_weight``), not the copy stored in the compute dtype."""
         dtype, scale = self._hf_dtype(), self.lora.scale
         params = dict(self.model.named_parameters())
         for name, param in params.items():
             if fsdp_lora.is_adapter(name) or fsdp_lora.is_original(name):
                 continue  # merged into its layer's weight; the reference's saved module
+            base = self._base_weight(name, param, source)
             layer = name.removesuffix(".base_layer.weight")
             if layer == name:
-                yield self._entry(name, param)
+                yield self._entry(name, param, full=base)
                 continue
             a, b = (params[f"{layer}.{part}.default.weight"] for part in ("lora_A", "lora_B"))
 
-            def merged(w: Any = param, a: Any = a, b: Any = b) -> torch.Tensor:
-                return merge(_full(w), _full(a), _full(b), scale, dtype).to(self.device)
+            def merged(w: Any = base, a: Any = a, b: Any = b) -> torch.Tensor:
+                a, b = _full(a), _full(b)  # collectives: every rank, in this order
+                return merge(w(), a, b, scale, dtype).to(self.device)
 
             yield WeightEntry(fsdp_lora.wire_name(name), tensor_nbytes(param.shape, dtype), merged)
+
+    def _base_weight(
+        self, name: str, param: torch.Tensor, source: LazyHFState | None
+    ) -> Callable[[], torch.Tensor]:
+        """``param``'s full tensor, gathered (a collective); or, for a frozen weight that
+        ``source`` holds in the same shape, read from it on rank 0, which alone writes an
+        export (the other ranks get a placeholder of the shape). Every rank decides alike
+        from the file headers, so the gathers stay in lock-step."""
+        key = fsdp_lora.wire_name(name)
+        held = source is not None and key in source and source.shape(key) == tuple(param.shape)
+        if param.requires_grad or not held:
+            return lambda: _full(param)
+        if self.rank == 0:
+            return lambda: source[key]
+        return lambda: torch.empty(param.shape, dtype=torch.float32)
+
+    def _export_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """LoRA with the frozen base stored in the compute dtype (``store_base``): that
+        copy is rounded, so the base is read back from the checkpoint, and every layer
+        without an adapter is written bit for bit as the checkpoint has it."""
+        if not self.lora.enabled or self._base_dtype is None:
+            return super()._export_buckets(bucket_bytes)
+        self._check_awake("weights")
+        source = LazyHFState(self.args.hf_checkpoint)
+        return iter_buckets(self._merged_entries(source), bucket_bytes)
 
     def export_hf(self, path: str, merged: bool = False) -> None:
         """LoRA: a PEFT adapter folder for the base checkpoint (``merged``: the full

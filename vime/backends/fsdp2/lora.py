@@ -94,7 +94,8 @@ def store_base(model: torch.nn.Module, dtype: torch.dtype) -> None:
     FSDP2 casts every weight to its compute dtype for each forward, so a base that never
     changes, rounded once here, computes bit for bit as an fp32 base would, at half the
     memory; the adapters stay fp32 master weights. FSDP2 asks one dtype only of the
-    parameters that train.
+    parameters that train. A merged export reads the base back from the checkpoint
+    (``FSDP2Actor._export_buckets``): written from this copy, it would be rounded.
     """
     with torch.no_grad():
         for param in model.parameters():

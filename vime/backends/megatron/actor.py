@@ -81,6 +81,7 @@ from vime.backends.policy_actor import MicroBatchFn, PerSample, PolicyTrainActor
 from vime.data.batch import TrainSchedule
 from vime.data.micro_batch import response_log_probs
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
+from vime.weights.hf_files import LazyHFState
 
 
 class MegatronActor(PolicyTrainActor):
@@ -187,7 +188,7 @@ class MegatronActor(PolicyTrainActor):
         model.to(self.device)
         # Every rank reads, one tensor at a time, only what its stage holds, and keeps its
         # TP shard: host memory is this rank's share, not a whole checkpoint per rank.
-        hf_state = convert.LazyHFState(self.args.hf_checkpoint)
+        hf_state = LazyHFState(self.args.hf_checkpoint)
         self.hf_shapes = {name: hf_state.shape(name) for name in hf_state}
         local_keys = [k for k in model.state_dict() if not k.endswith("_extra_state")]
         full = convert.hf_to_megatron(
