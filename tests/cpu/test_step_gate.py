@@ -3,7 +3,8 @@
 Proves: a load that arrives during a step runs as soon as that step ends, before the
 next one, even when the stepping thread asks again at once (a plain lock would let it
 keep going); steps and loads never overlap, and two loads never run together; a load
-whose wait raises is forgotten, so the steps after it go on.
+whose wait raises is forgotten, so the steps after it go on; a load nested in one of
+the same thread is part of it.
 """
 
 from __future__ import annotations
@@ -113,3 +114,31 @@ def test_a_load_whose_wait_raises_does_not_block_later_steps() -> None:
     threading.Thread(target=next_step, daemon=True).start()
     assert later.wait(5), "a step after the interrupted load never ran"
     assert gate.loads_waiting == 0
+
+
+def test_a_load_inside_a_load_of_the_same_thread_is_part_of_it() -> None:
+    """Two loads nested in one thread (LoRA's base, then its adapter) land as one: a step
+    waiting meanwhile runs only after the outer load ends, and nothing deadlocks."""
+    gate, events = StepGate(), []
+
+    def step() -> None:
+        with gate.step():
+            events.append("step")
+
+    def loads() -> None:
+        stepper = threading.Thread(target=step)
+        with gate.load():
+            events.append("base")
+            stepper.start()
+            time.sleep(0.05)  # the step would run here if the gate let it
+            with gate.load():
+                events.append("adapter")
+            time.sleep(0.05)
+            events.append(f"waiting {gate.loads_waiting}")
+        stepper.join(10)
+
+    loader = threading.Thread(target=loads, daemon=True)
+    loader.start()
+    loader.join(10)
+    assert not loader.is_alive(), "the inner load waited for the outer one"
+    assert events == ["base", "adapter", "waiting 1", "step"] and gate.loads_waiting == 0

@@ -8,7 +8,9 @@ gate/up); each sync is a new adapter version in place of the last (the one befor
 far off), its folder removed once loaded; a sync of merged weights with no adapter serves them
 bare (an adapter left on would count twice); a sync with nothing in it is refused; an
 adapter loaded while a generation runs lands between two engine steps, the requests
-going on with it on the KV cache the adapter before wrote.
+going on with it on the KV cache the adapter before wrote; a sync's base and adapter
+land as one, so a request that arrives between them samples with both and reports
+the version it sampled from.
 Skipped where vLLM is not installed.
 """
 
@@ -164,3 +166,36 @@ def test_an_adapter_loaded_mid_generation_serves_the_tokens_after(
         kept = _kept_cache_log_probs(old_model, new_model, c, len(c.prompt_ids) + k - 1)
         assert _max_diff(c.log_probs[k:], kept) < 1e-4
         assert _max_diff(c.log_probs[k:], old[k:]) > 1e-2  # the old adapter is told apart
+
+
+def test_a_request_between_base_and_adapter_waits_for_both(
+    served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sync of base and adapters is one load: a request that arrives after the base is
+    in and before the adapter is waits for the adapter, so the version it reports is
+    the one it sampled from (not the new version on the base alone)."""
+    engine, base = served
+    loader = AdapterLoader(EngineLora(SETTINGS, bucket_bytes=1 << 20))
+    loader.update(engine, [list(base.state_dict().items())], 20)  # the base alone, bare
+    adapters = _adapters(base, seed=6)
+    prompt, greedy = [5, 30, 12, 7], SamplingParams(n=1, temperature=0.0, max_new_tokens=4)
+    got: list = []
+    between = threading.Thread(target=lambda: got.extend(engine.generate([prompt], greedy)))
+    load_adapter = engine.load_adapter
+
+    def request_in_between(folder, version) -> None:  # the base is in, the adapter not yet
+        between.start()
+        between.join(timeout=1.0)  # done here only if the engine steps between the two
+        load_adapter(folder, version)
+
+    monkeypatch.setattr(engine, "load_adapter", request_in_between)
+    loader.update(engine, [list(base.state_dict().items()), list(adapters.items())], 21)
+    between.join(timeout=60)
+    assert engine.weight_version == 21
+    (completion,) = got[0]
+    assert completion.weight_versions == (21, 21)
+    ids = completion.prompt_ids + completion.response_ids
+    served_model, bare = _merged(base, adapters), _reference(base, ids, len(prompt), 1.0)
+    want = _reference(served_model, ids, len(prompt), 1.0)
+    assert _max_diff(want, bare) > 1e-2  # the adapter is told apart from the base alone
+    assert _max_diff(completion.log_probs, want) < 1e-4

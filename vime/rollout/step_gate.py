@@ -9,6 +9,8 @@ let a busy generation keep it for its whole length (the thread that releases a l
 usually takes it back before a waiter wakes), so the weights would arrive only once
 the generation ended -- the draining that asynchrony exists to avoid. A load whose
 wait raises stops counting as waiting, or every later step would wait for it for ever.
+A load taken again by the thread that holds one is part of it, so several loads
+(LoRA's base and adapter) land as one between two steps.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class StepGate:
         self._stepping = False
         self._loading = False
         self._loads_waiting = 0  # the running load included
+        self._loader: int | None = None  # the thread running the load
 
     @property
     def loads_waiting(self) -> int:
@@ -49,22 +52,32 @@ class StepGate:
 
     @contextlib.contextmanager
     def load(self) -> Iterator[None]:
-        """A whole weight load: after the step in progress, before any later one."""
+        """A whole weight load: after the step in progress, before any later one. Inside
+        a load of the same thread it is part of that load (no step between the two)."""
+        me = threading.get_ident()
         with self._cond:
-            self._loads_waiting += 1
-            entered = False
-            try:
-                while self._stepping or self._loading:
-                    self._cond.wait()
-                self._loading = entered = True
-            finally:
-                if not entered:  # the wait raised (a signal, an interrupt): not waiting now
-                    self._loads_waiting -= 1
-                    self._cond.notify_all()
+            if self._loader == me:
+                nested = True
+            else:
+                nested = False
+                self._loads_waiting += 1
+                entered = False
+                try:
+                    while self._stepping or self._loading:
+                        self._cond.wait()
+                    self._loading, self._loader = True, me
+                    entered = True
+                finally:
+                    if not entered:  # the wait raised (a signal, an interrupt): not waiting
+                        self._loads_waiting -= 1
+                        self._cond.notify_all()
+        if nested:
+            yield
+            return
         try:
             yield  # runs without the condition held: a slow transfer blocks only steps
         finally:
             with self._cond:
-                self._loading = False
+                self._loading, self._loader = False, None
                 self._loads_waiting -= 1
                 self._cond.notify_all()

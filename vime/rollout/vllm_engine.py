@@ -31,6 +31,7 @@ with a generation: its temperature scales only the prompt log-probs it asks for.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -607,6 +608,11 @@ class VLLMEngine:
                 tensors = {name: t.detach().to("cpu", copy=True) for name, t in bucket}
                 save_file(tensors, paths[-1])
             self._reload("vime_reload_from_files", paths, version)
+
+    def one_load(self) -> contextlib.AbstractContextManager[None]:
+        """The loads inside the block (``update_weights``, ``load_adapter``) land as one,
+        between two engine steps: no request is added or stepped until it ends."""
+        return self.gate.load()
 
     def load_adapter(self, folder: str | None, version: int) -> None:
         """Serve the PEFT adapter folder ``folder`` on top of the weights from now on, in

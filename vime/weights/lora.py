@@ -26,6 +26,7 @@ import itertools
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -192,9 +193,13 @@ class AdapterMerger:
 class AdapterEngine(Protocol):
     """An engine that serves a PEFT adapter on top of its weights (``EngineSpec.native_lora``)."""
 
+    weight_version: int
+
     def update_weights(self, buckets: Iterable[Bucket], version: int) -> None: ...
 
     def load_adapter(self, folder: str | None, version: int) -> None: ...
+
+    def one_load(self) -> AbstractContextManager[None]: ...
 
 
 class AdapterLoader:
@@ -206,7 +211,9 @@ class AdapterLoader:
     weights stay the base, and each sync moves and loads the adapters alone. A sync of
     merged weights without adapters leaves the engine serving them bare. The folder
     lives only while the engine reads it (``load_adapter`` returns once it has): no
-    adapter is left on disk, even by a process killed later.
+    adapter is left on disk, even by a process killed later. Base and adapter load as
+    one (``one_load``), and the engine takes the new version with the adapter only: no
+    request runs on the one without the other, or reports a version it did not sample.
     """
 
     def __init__(self, settings: EngineLora) -> None:
@@ -227,19 +234,20 @@ class AdapterLoader:
                     yield base
 
         stream = base_weights()
-        first = next(stream, None)
-        if first is not None:
-            engine.update_weights(itertools.chain([first], stream), version)
-        elif not adapters:
+        first = next(stream, None)  # the engine steps while the first bucket arrives
+        if first is None and not adapters:
             raise ValueError("a weight sync brought the engine no weights and no adapters")
-        if not adapters:
-            engine.load_adapter(None, version)
-            return
-        with tempfile.TemporaryDirectory(prefix="vime-lora-", dir=_ram_dir()) as root:
-            folder = write_peft_folder(
-                Path(root) / "adapter", adapters, self.settings.settings, None
-            )
-            engine.load_adapter(str(folder), version)
+        with engine.one_load():
+            if first is not None:  # under the version served until the adapter is in
+                engine.update_weights(itertools.chain([first], stream), engine.weight_version)
+            if not adapters:
+                engine.load_adapter(None, version)
+                return
+            with tempfile.TemporaryDirectory(prefix="vime-lora-", dir=_ram_dir()) as root:
+                folder = write_peft_folder(
+                    Path(root) / "adapter", adapters, self.settings.settings, None
+                )
+                engine.load_adapter(str(folder), version)
 
 
 def engine_receiver(
