@@ -281,7 +281,12 @@ def _data(p: argparse._ArgumentGroup) -> None:
 
 
 def _algorithm(p: argparse._ArgumentGroup) -> None:
-    p.add_argument("--advantage-estimator", choices=ADVANTAGE_ESTIMATORS, default="grpo")
+    p.add_argument(
+        "--advantage-estimator",
+        choices=ADVANTAGE_ESTIMATORS,
+        default="grpo",
+        help="how a group's rewards become advantages (formulas: vime.algo.advantages)",
+    )
     p.add_argument(
         "--custom-advantage-function-path",
         default=None,
@@ -417,7 +422,12 @@ def _algorithm(p: argparse._ArgumentGroup) -> None:
 def _optimizer(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--lr", type=float, default=1e-6, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=0.0, help="floor of the decayed learning rate")
-    p.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
+    p.add_argument(
+        "--lr-decay-style",
+        choices=LR_DECAY_STYLES,
+        default="constant",
+        help="learning-rate decay from --lr to --min-lr over the run, after the warmup",
+    )
     p.add_argument(
         "--lr-warmup-samples",
         type=non_negative_int,
@@ -430,9 +440,9 @@ def _optimizer(p: argparse._ArgumentGroup) -> None:
         default=0.0,
         help="AdamW decay; biases and 1-D norm weights are never decayed",
     )
-    p.add_argument("--adam-beta1", type=float, default=0.9)
-    p.add_argument("--adam-beta2", type=float, default=0.98)
-    p.add_argument("--adam-eps", type=float, default=1e-8)
+    p.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's beta1")
+    p.add_argument("--adam-beta2", type=float, default=0.98, help="AdamW's beta2")
+    p.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon")
     p.add_argument(
         "--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 disables clipping"
     )
@@ -519,22 +529,32 @@ def _logging(p: argparse._ArgumentGroup) -> None:
 def _model(p: argparse._ArgumentGroup) -> None:
     # Megatron-style architecture flags, as scripts/models/*.sh spell them. Both backends
     # read the architecture from the checkpoint's config.json; these are checked against it.
-    p.add_argument("--num-layers", type=positive_int, default=None)
-    p.add_argument("--hidden-size", type=positive_int, default=None)
-    p.add_argument("--ffn-hidden-size", type=positive_int, default=None)
-    p.add_argument("--num-attention-heads", type=positive_int, default=None)
-    p.add_argument("--num-query-groups", type=positive_int, default=None)
+    p.add_argument("--num-layers", type=positive_int, default=None, help="decoder layers")
+    p.add_argument("--hidden-size", type=positive_int, default=None, help="model width")
+    p.add_argument(
+        "--ffn-hidden-size", type=positive_int, default=None, help="MLP intermediate size"
+    )
+    p.add_argument("--num-attention-heads", type=positive_int, default=None, help="query heads")
+    p.add_argument(
+        "--num-query-groups", type=positive_int, default=None, help="key/value heads (GQA)"
+    )
     p.add_argument("--kv-channels", type=positive_int, default=None, help="head dimension")
-    p.add_argument("--vocab-size", type=positive_int, default=None)
-    p.add_argument("--rotary-base", type=float, default=None)
-    p.add_argument("--norm-epsilon", type=float, default=None)
+    p.add_argument("--vocab-size", type=positive_int, default=None, help="vocabulary size")
+    p.add_argument("--rotary-base", type=float, default=None, help="RoPE base (theta)")
+    p.add_argument("--norm-epsilon", type=float, default=None, help="RMSNorm epsilon")
     # --no-...: a recipe states both ways, so a tied checkpoint under an untied recipe
     # (or the reverse) fails at start-up too.
-    p.add_argument("--qk-layernorm", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--qk-layernorm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="RMSNorm on queries and keys (Qwen3)",
+    )
     p.add_argument(
         "--untie-embeddings-and-output-weights",
         action=argparse.BooleanOptionalAction,
         default=None,
+        help="the output layer has weights of its own, not the input embedding's",
     )
 
 
