@@ -53,8 +53,9 @@ def _links(text: str) -> list[str]:
 
 def _slug(heading: str) -> str:
     """A heading's anchor as GitHub makes it: lower case, markup and punctuation
-    dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]|<[^>]+>", "", heading.strip().lower())
+    dropped (an underscore inside a name, as in ``async_loop.py``, stays), spaces to
+    hyphens."""
+    text = re.sub(r"[`*]|<[^>]+>", "", heading.strip().lower())
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")

@@ -1,6 +1,6 @@
 """Token ids of the environment's side of a tool-using conversation.
 
-Where it fits: the multi-turn agent loop (to come) starts each episode from
+Where it fits: the tool loop (``vime.rollout.tool_loop``) starts each episode from
 :meth:`ToolTurnRenderer.prompt_ids` (the chat template with ``tools=`` and the
 generation prompt) and, after a turn that called tools, appends
 :meth:`ToolTurnRenderer.tool_turn_ids` to the engine's generated ids before
