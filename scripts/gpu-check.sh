@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a short GPU lease should run, in one command (README.md, Development):
+# Everything a short GPU lease should run, in one command (docs/development.md):
 # the machine and stack, the GPU test suite, then the training-step bench of both
 # backends at a 1B-class shape. Each part has its own time limit so one that hangs
 # cannot eat the others' time; logs go to $OUT (or ./gpu-check-out) for the issue note.

@@ -188,7 +188,7 @@ def timing_metrics(
     ranks: Sequence[list[Span]],
     engines: Sequence[list[Span]],
 ) -> dict[str, float]:
-    """One step's time metrics from its spans (see the module docstring and README):
+    """One step's time metrics from its spans (see the module docstring and docs/performance.md):
 
     ``phase/<name>_s``: the driver's time in each phase (``reward`` is inside
     ``rollout`` and ``eval``); ``phase/other_s``: the rest of the step.

@@ -352,7 +352,7 @@ def _run(hf: str, backend: str, scenario: str, world: int, custom: str, tmp_path
 
 
 def _reference_loss(model, ref_model, batch: RolloutBatch, old, flags) -> torch.Tensor:
-    """The step's loss from its definition (README and the vime.algo docstrings), one
+    """The step's loss from its definition (docs/architecture.md and the vime.algo docstrings), one
     unpacked sample at a time; ``flags`` is the case's parsed configuration."""
     eps_lo = flags.eps_clip
     eps_hi = flags.eps_clip if flags.eps_clip_high is None else flags.eps_clip_high

