@@ -53,7 +53,7 @@ from vime.rollout import registry as engine_registry
 from vime.rollout.manager import DataExhausted, RolloutManager
 from vime.rollout.producer import ProducerSettings, RolloutProducer
 from vime.rollout.rewards import build_reward_scorer, reward_needs_label
-from vime.rollout.tool_loop import build_agent
+from vime.rollout.tool_loop import build_agent, check_tool_format
 from vime.rollout.tools import load_tools
 from vime.step_timing import StepTiming
 from vime.tracking import Tracker, default_output_dir, quiet_library_progress_bars
@@ -120,7 +120,10 @@ class Run:
         self.tokenizer = _tokenizer(checkpoint_dir, embedded=self.embedded)
         task_name = builtin_task_of(args.prompt_data or "")
         self.task = _task(task_name)
-        # Multi-turn rollouts: the tools, shown to the model in its prompts.
+        # Multi-turn rollouts: the tools, shown to the model in its prompts, and read from
+        # its turns by --tool-parser, whose fit to the tokenizer is known only now.
+        if args.tools:
+            check_tool_format(args, self.tokenizer)
         self.toolbox = load_tools(args.tools) if args.tools else None
         train_prompts, self.prompt_ids, dropped = self._prompts(args, args.prompt_data)
         source = PromptSource(train_prompts, num_epoch=args.num_epoch, seed=args.seed)

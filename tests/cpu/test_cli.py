@@ -8,8 +8,9 @@ The same holds, already while parsing (so ``--dry-run`` catches them), for what
 used to fail only once the run started: an engine layout the rollout devices do
 not split into, an unknown built-in task, eval prompts of another task or without
 any, cuda-ipc weight sync without CUDA or colocation, flash-attention without its
-package, and a checkpoint the megatron backend cannot build or split -- the
-embedded default model too, when no --hf-checkpoint is given. An asynchronous run
+package, a checkpoint the megatron backend cannot build or split -- the
+embedded default model too, when no --hf-checkpoint is given -- and a --tool-parser
+that is unknown or cannot read the embedded model's turns. An asynchronous run
 that opts out of its behaviour correction (--no-use-tis) is told so in one line.
 """
 
@@ -186,6 +187,11 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
         (
             ["--rollout-engine", "hf", "--rollout-num-gpus-per-engine", "2"],
             ["--rollout-num-gpus-per-engine 2 needs the vllm engine", "runs on one device"],
+        ),
+        (["--tool-parser", "qwen"], ["--tool-parser", "'qwen'", "'hermes', 'llama3_json'"]),
+        (
+            ["--dry-run", "--prompt-data", "builtin:lookup", "--tool-parser", "hermes"],
+            ["--tool-parser hermes reads turns a chat template frames", "embedded model"],
         ),
     ],
 )

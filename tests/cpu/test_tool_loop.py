@@ -7,12 +7,16 @@ as the format renders it, and the next turn sees it; every failure (malformed
 call, unknown tool, bad arguments, a tool that raises or times out) becomes text
 the model reads and is counted by kind, never a crash; ``--max-turns`` and the
 response budget cut a trajectory and say so; long answers are truncated to
-``--tool-max-output-tokens``; and ``build_agent`` refuses a chat model without
-``--apply-chat-template`` and ``--tools`` together with a custom function.
+``--tool-max-output-tokens``; ``build_agent`` refuses a chat model without
+``--apply-chat-template`` and ``--tools`` together with a custom function; and
+``--tool-parser``: ``auto`` picks the format and reads every turn as the loop did
+before the flag, a named parser reaches the loop's turns, and each combination that
+cannot work is one line.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -24,9 +28,18 @@ from vime.config.errors import ConfigError
 from vime.data.prompts import Prompt
 from vime.data.tasks import CHARSET, LOOKUP_TOOLS, _lookup_table
 from vime.models.embedded import EOS_ID, build_tokenizer
+from vime.rollout import tools
 from vime.rollout.agent import CALLS_PER_SAMPLE, AgentRollouts
-from vime.rollout.tool_loop import ToolLoop, ToolLoopSettings, build_agent
-from vime.rollout.tools import Toolbox, ToolSettings, load_tools
+from vime.rollout.tool_loop import (
+    ChatFormat,
+    PlainFormat,
+    ToolLoop,
+    ToolLoopSettings,
+    build_agent,
+    check_tool_format,
+    tool_format,
+)
+from vime.rollout.tools import ParseError, Toolbox, ToolCall, ToolSettings, load_tools
 from vime.rollout.types import Completion, SamplingParams
 
 
@@ -146,10 +159,15 @@ def chat():
 
 
 @pytest.fixture
-def box(tmp_path: Path):
+def tools_spec(tmp_path: Path) -> str:
     path = tmp_path / "my_tools.py"
     path.write_text(TOOLS_PY)
-    toolbox = load_tools(f"{path}:TOOLS")
+    return f"{path}:TOOLS"
+
+
+@pytest.fixture
+def box(tools_spec: str):
+    toolbox = load_tools(tools_spec)
     yield toolbox
     toolbox.close()
 
@@ -295,3 +313,188 @@ def test_prompts_show_the_tools_through_the_template(chat, box) -> None:
     plain = chat.decode(render_prompt("What is pi?", chat, True))
     assert '"name": "lookup"' in with_tools and "<tools>" in with_tools
     assert "<tools>" not in plain and plain.endswith("<|im_start|>assistant\n")
+
+
+# ----- --tool-parser -------------------------------------------------------------------------
+
+
+def _chat_reading_before(text: str) -> list[ToolCall] | ParseError:
+    """The chat format's reading before --tool-parser (``parse_tool_calls`` at 307bea3),
+    kept as it was: the reference ``auto`` must equal, turn for turn."""
+    if tools.THINK_CLOSE in text:
+        text = text.rsplit(tools.THINK_CLOSE, 1)[1]
+    calls: list[ToolCall] = []
+    pos = 0
+    while True:
+        open_at = text.find(tools.TOOL_CALL_OPEN, pos)
+        stray = text.find(tools.TOOL_CALL_CLOSE, pos)
+        if stray != -1 and (open_at == -1 or stray < open_at):
+            return ParseError(f"</tool_call> without <tool_call> (call {len(calls) + 1})")
+        if open_at == -1:
+            return calls or tools._bare_json_call(text)
+        body_at = open_at + len(tools.TOOL_CALL_OPEN)
+        close_at = text.find(tools.TOOL_CALL_CLOSE, body_at)
+        reopen = text.find(tools.TOOL_CALL_OPEN, body_at)
+        if close_at == -1 or (reopen != -1 and reopen < close_at):
+            return ParseError(f"tool call {len(calls) + 1}: <tool_call> is never closed")
+        call = tools._parse_call(text[body_at:close_at], len(calls) + 1)
+        if isinstance(call, ParseError):
+            return call
+        calls.append(call)
+        pos = close_at + len(tools.TOOL_CALL_CLOSE)
+
+
+def _plain_reading_before(text: str, box: Toolbox) -> list[ToolCall]:
+    """The plain format's reading before --tool-parser, as it was."""
+    words = text.split()
+    if not words or words[0] not in box.names:
+        return []
+    return [box.positional_call(words[0], words[1:])]
+
+
+FRAGMENTS = (
+    "<tool_call>",
+    "</tool_call>",
+    '{"name": "add", "arguments": {"a": 2}}',
+    '{"name": "add", "parameters": 3}',
+    '{"x": 1}',
+    "<think>",
+    "</think>",
+    "<|python_tag|>",
+    "add 2 3",
+    " \n",
+)
+
+
+def test_auto_picks_and_reads_every_turn_as_before(chat, chars, box, tools_spec) -> None:
+    """``auto`` (the default) is the old choice on both fixtures: the chat format for the
+    Qwen3-style template, the plain one for the embedded tokenizer; and each reads all
+    1110 turns built from up to 3 fragments (tags, JSON, thinking) exactly as before."""
+    turns = ["".join(p) for k in (1, 2, 3) for p in itertools.product(FRAGMENTS, repeat=k)]
+    for tok in (chat, chars):
+        fmt = tool_format(tok, box, 8)
+        template = bool(getattr(tok, "chat_template", None))  # the old tool_format's test
+        if template:
+            assert isinstance(fmt, ChatFormat)
+            before = _chat_reading_before
+        else:
+            assert isinstance(fmt, PlainFormat)
+            before = lambda t: _plain_reading_before(t, box)  # noqa: E731
+        for text in turns:
+            assert fmt.parse(text) == before(text), text
+        # The run's loop (the flag's default, through build_agent) makes the same choice.
+        args = _args(tools_spec, *(["--apply-chat-template"] if template else []))
+        assert args.tool_parser == "auto"
+        assert type(build_agent(args, tok, None, box).fn.format) is type(fmt)
+
+
+def _args(spec: str, *extra: str):
+    return parse_args(["--tools", spec, *extra])
+
+
+LLAMA3_CALL = '{"name": "add", "parameters": {"a": 2, "b": 3}}'
+
+
+@pytest.mark.parametrize(
+    ("parser", "own", "other"),
+    [
+        ("hermes", _call("add", '{"a": 2, "b": 3}'), LLAMA3_CALL),
+        ("llama3_json", LLAMA3_CALL, _call("add", '{"a": 2, "b": 3}')),
+    ],
+)
+def test_the_tool_parser_flag_reaches_the_loop(
+    parser: str, own: str, other: str, chat, box, tools_spec: str, tmp_path: Path
+) -> None:
+    """``--tool-parser hermes`` / ``llama3_json``, parsed, decide the loop's turns: its own
+    form runs the tool, the other's is the final answer (ignored, auto would run both)."""
+    ckpt = ["--hf-checkpoint", str(tmp_path), "--apply-chat-template"]
+    args = _args(tools_spec, *ckpt, "--tool-parser", parser)
+    loop = build_agent(args, chat, None, box).fn
+    assert loop.settings.parser == parser and isinstance(loop.format, ChatFormat)
+    eot = chat.convert_tokens_to_ids("<|im_end|>")
+    engine = ScriptedEngine(chat, [[own, "5."], [other, "5."]], eot)
+    (called, answered), _ = _run(loop, engine, ["What is 2 + 3?"] * 2, budget=4000)
+    assert (called.extra["agent"]["turns"], called.extra["agent"]["tool_calls"]) == (2, 1)
+    assert "<tool_response>\n5\n</tool_response>" in chat.decode(engine.contexts[0, 1])
+    assert (answered.extra["agent"]["turns"], answered.extra["agent"]["tool_calls"]) == (1, 0)
+
+
+def test_plain_parser_reads_a_chat_model_as_raw_text(chat, box, tools_spec, tmp_path) -> None:
+    """``--tool-parser plain`` on a tokenizer with a template, without
+    ``--apply-chat-template`` (which auto refuses): ``lookup pi`` runs the tool and its
+    answer follows as text then ``=``, no template turn."""
+    ckpt = ["--hf-checkpoint", str(tmp_path)]
+    with pytest.raises(ConfigError, match=r"its chat template; add --apply-chat-template$"):
+        build_agent(_args(tools_spec, *ckpt), chat, None, box)
+    loop = build_agent(_args(tools_spec, *ckpt, "--tool-parser", "plain"), chat, None, box).fn
+    assert isinstance(loop.format, PlainFormat)
+    eot = chat.convert_tokens_to_ids("<|im_end|>")
+    engine = ScriptedEngine(chat, [["lookup pi", "3.14159"]], eot)
+    (c,), _ = _run(loop, engine, ["pi ="], budget=400)
+    assert c.extra["agent"]["tool_calls"] == 1 and c.extra["agent"]["tool_errors"] == {}
+    env = [t for t, m in zip(c.response_ids, c.loss_mask, strict=True) if not m]
+    assert chat.decode(env) == "3.14159="
+
+
+ONLY_TOOLS = "--tool-parser {p} applies only to the tool loop of --tools; "
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tool-parser", "hermes"], ONLY_TOOLS + "add --tools MODULE:NAME, or drop it"),
+        (["--tool-parser", "auto"], ONLY_TOOLS + "add --tools MODULE:NAME, or drop it"),
+        (
+            ["--custom-generate-function-path", "{gen}", "--tool-parser", "plain"],
+            ONLY_TOOLS + "a --custom-generate-function-path function reads its own turns",
+        ),
+        (
+            ["--prompt-data", "builtin:lookup", "--tool-parser", "hermes"],
+            "--tool-parser {p} reads turns a chat template frames, and the embedded model "
+            "(no --hf-checkpoint) has none; use --tool-parser plain or auto",
+        ),
+        (
+            ["--tools", "{spec}", "--hf-checkpoint", "{ckpt}", "--tool-parser", "llama3_json"],
+            "--tool-parser {p} reads turns a chat template frames and renders the tools' "
+            "answers with it; add --apply-chat-template",
+        ),
+        (
+            ["--prompt-data", "builtin:lookup", "--tool-parser", "plain", "--apply-chat-template"],
+            "--tool-parser {p} appends the tools' answers as raw text, not as the chat "
+            "template's tool turns; drop --apply-chat-template, or use --tool-parser hermes "
+            "or llama3_json",
+        ),
+        (
+            ["--tools", "{spec}", "--tool-parser", "qwen"],
+            "argument --tool-parser: invalid choice: 'qwen' (choose from 'auto', 'hermes', "
+            "'llama3_json', 'plain')",
+        ),
+    ],
+)
+def test_tool_parser_refusals_are_one_line(
+    argv: list[str], message: str, tools_spec: str, tmp_path: Path
+) -> None:
+    """Each --tool-parser combination that cannot work (without --tools, beside a custom
+    function, a chat parser with no template or without --apply-chat-template, plain with
+    it, an unknown name) is refused while parsing, with its whole one-line message."""
+    gen = tmp_path / "gen.py"
+    gen.write_text("async def gen(sample, engine):\n    pass\n")
+    values = {"gen": f"{gen}:gen", "spec": tools_spec, "ckpt": str(tmp_path)}
+    argv = [a.format(**values) for a in argv]
+    line = message.format(p=argv[argv.index("--tool-parser") + 1])
+    with pytest.raises(ConfigError, match=f"^{re.escape(line)}$"):
+        parse_args(argv)
+
+
+def test_a_chat_parser_without_a_template_is_refused_at_run_start(chars, tools_spec, tmp_path):
+    """An --hf-checkpoint's template is known only once its tokenizer loads: the run's
+    check (``check_tool_format``, before prompts and Ray) refuses hermes in one line."""
+    ckpt = ["--hf-checkpoint", str(tmp_path), "--apply-chat-template"]
+    args = _args(tools_spec, *ckpt, "--tool-parser", "hermes")
+    line = (
+        "--tool-parser hermes: the checkpoint's tokenizer has no chat template, and hermes "
+        "reads turns the template frames (its tool turns are the template's); use "
+        "--tool-parser plain, without --apply-chat-template"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(line)}$"):
+        check_tool_format(args, chars)

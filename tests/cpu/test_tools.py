@@ -6,7 +6,9 @@ one-line ConfigError saying what to fix; that ``Toolbox.run`` turns every
 failure (unknown tool, bad arguments, raised, timed out, malformed call) into
 an error result of the right kind, never an exception, and runs calls
 concurrently (sync ones up to the thread pool's size); that the Qwen/Hermes
-parser tells "no call", "calls" and "malformed" apart; and, with a Qwen3-style
+parser tells "no call", "calls" and "malformed" apart, and each ``--tool-parser``
+(looked up by name) reads its own form and takes the others' for answers; and, with
+a Qwen3-style
 template on a byte-level BPE tokenizer built here, that the schemas reach the
 system prompt, the ids appended after a turn are the tail of tokenizing the
 whole conversation, template drift (Qwen3's think-block handling) is caught,
@@ -24,7 +26,9 @@ from typing import Any
 import pytest
 from chat_fixtures import TOOLS_PY, chat_tokenizer
 
+from vime.backends.registry import resolve
 from vime.config.errors import ConfigError
+from vime.rollout.tool_parsers import PARSERS, get_tool_parser, tool_parser_choices
 from vime.rollout.tool_turns import (
     TRUNCATED,
     TemplateDriftError,
@@ -300,6 +304,44 @@ def test_parse_llama3_json_calls() -> None:
     assert parse_tool_calls("{not json}") == []
     bad = parse_tool_calls('{"name": "add", "parameters": 3}')
     assert isinstance(bad, ParseError) and "must be a JSON object" in bad.message
+
+
+# One call in each parser's form, and malformed ones; what each parser makes of them.
+ADD = ToolCall("add", {"a": 2, "b": 3})
+FORMS = {
+    "hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+    "llama3": '{"name": "add", "parameters": {"a": 2, "b": 3}}',
+    "python_tag": '<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}',
+    "plain": "add 2 3",
+    "bad_hermes": '<tool_call>{"name": "add", </tool_call>',
+    "bad_llama3": '{"name": "add", "parameters": 3}',
+}
+READS = {
+    "hermes": {"hermes": [ADD], "bad_hermes": ParseError},
+    "llama3_json": {"llama3": [ADD], "python_tag": [ADD], "bad_llama3": ParseError},
+    "plain": {"plain": [ToolCall("add", {"a": "2", "b": "3"})]},
+}
+
+
+@pytest.mark.parametrize("name", list(PARSERS))
+def test_each_parser_reads_its_own_form_and_answers_the_others(name: str, box: Toolbox) -> None:
+    """Looked up by name, each parser turns its own form into the call (a malformed one
+    into a ParseError) and every other parser's form into [] (an answer, not a call):
+    a hermes turn is no llama3_json call, nor a bare JSON turn a hermes call."""
+    parse = resolve(get_tool_parser(name).parse)
+    for form, text in FORMS.items():
+        want = READS[name].get(form, [])
+        got = parse(text, box)
+        if want is ParseError:
+            assert isinstance(got, ParseError), (form, got)
+        else:
+            assert got == want, form
+    assert set(tool_parser_choices()) == {"auto", *READS}
+    choices = "choose from: auto, hermes, llama3_json, plain"
+    with pytest.raises(
+        ConfigError, match=f"^--tool-parser 'qwen': no such tool parser; {choices}$"
+    ):
+        get_tool_parser("qwen")
 
 
 @pytest.mark.parametrize(

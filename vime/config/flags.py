@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from vime.config.lora_flags import add_lora_flags
 from vime.rollout import registry as engine_registry
+from vime.rollout import tool_parsers
 
 # The engines' names and their own flags come from vime.rollout.registry (no torch
 # import); the transports' names mirror vime.ray.transports.TRANSPORTS, which imports Ray.
@@ -637,6 +638,15 @@ def _agent(p: argparse._ArgumentGroup) -> None:
         default=4,
         help="--tools: model turns per trajectory at most (one that still calls a tool "
         "is cut there)",
+    )
+    parsers = "; ".join(f"{s.name}: {s.summary}" for s in tool_parsers.PARSERS.values())
+    p.add_argument(
+        "--tool-parser",
+        choices=tool_parsers.tool_parser_choices(),
+        default=None,
+        help=f"--tools: how a model turn's calls are read. {parsers}; auto (default): "
+        "hermes with a chat template, a turn without <tool_call> read as llama3_json, "
+        "else plain",
     )
     p.add_argument(
         "--tool-timeout",

@@ -19,6 +19,7 @@ from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.config.lora_flags import check_lora
 from vime.config.model_args import check_model_args_against_checkpoint
 from vime.rollout import registry as engine_registry
+from vime.rollout import tool_parsers
 
 
 def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
@@ -437,6 +438,7 @@ def _check_agent(args: argparse.Namespace) -> None:
             "--tools and --custom-generate-function-path both generate the trajectories; "
             "give one (a custom function can run tools itself)"
         )
+    _check_tool_parser(args)
     if args.tools is not None:
         from vime.rollout.tool_loop import ToolLoopSettings  # imports torch: only here
 
@@ -448,6 +450,44 @@ def _check_agent(args: argparse.Namespace) -> None:
         from vime.rollout.agent import load_generate_function
 
         load_generate_function(args.custom_generate_function_path)
+
+
+def _check_tool_parser(args: argparse.Namespace) -> None:
+    """``--tool-parser`` (default auto): only the tool loop reads turns with it, and a
+    named parser must fit the prompts' form. Whether an ``--hf-checkpoint``'s tokenizer
+    has a chat template is known once it is loaded (the run checks it then, before
+    Ray starts: ``vime.rollout.tool_loop.check_tool_format``); the embedded model's has
+    none."""
+    name = args.tool_parser
+    args.tool_parser = name or tool_parsers.AUTO
+    if name is None:
+        return
+    if args.tools is None:
+        why = (
+            "a --custom-generate-function-path function reads its own turns"
+            if args.custom_generate_function_path is not None
+            else "add --tools MODULE:NAME, or drop it"
+        )
+        raise ConfigError(f"--tool-parser {name} applies only to the tool loop of --tools; {why}")
+    if name == tool_parsers.AUTO:
+        return
+    if not tool_parsers.get_tool_parser(name).chat:
+        if args.apply_chat_template:
+            raise ConfigError(
+                f"--tool-parser {name} appends the tools' answers as raw text, not as the "
+                "chat template's tool turns; drop --apply-chat-template, or use "
+                "--tool-parser hermes or llama3_json"
+            )
+    elif args.hf_checkpoint is None:
+        raise ConfigError(
+            f"--tool-parser {name} reads turns a chat template frames, and the embedded "
+            "model (no --hf-checkpoint) has none; use --tool-parser plain or auto"
+        )
+    elif not args.apply_chat_template:
+        raise ConfigError(
+            f"--tool-parser {name} reads turns a chat template frames and renders the "
+            "tools' answers with it; add --apply-chat-template"
+        )
 
 
 def _check_rewards(args: argparse.Namespace) -> None:

@@ -8,12 +8,18 @@ reads), the answers are rendered as the environment's tokens and appended, and t
 model generates again -- until it answers, ``max_turns`` model turns were taken, or
 the response budget (``--rollout-max-response-len``, env tokens included) is spent.
 
-Two formats: ``chat`` renders tool turns with the checkpoint's chat template and
-parses ``<tool_call>{json}</tool_call>`` (Qwen, Hermes) or a bare JSON call turn
-(Llama 3.x); ``plain``, for a tokenizer
-without a template (the embedded model's characters), reads a turn ``name arg ...``
-whose first word is a tool's name as a call with positional arguments, and appends
-the answer text followed by ``=`` (the built-in tasks' prompt end).
+Two formats: ``chat`` renders tool turns with the checkpoint's chat template; ``plain``,
+for a tokenizer without a template (the embedded model's characters), appends the
+answer text followed by ``=`` (the built-in tasks' prompt end). ``--tool-parser``
+(``ToolLoopSettings.parser``, named in ``vime.rollout.tool_parsers``) says how a turn's
+calls are read: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen, Hermes) and
+``llama3_json`` (a bare JSON call turn, Llama 3.x) in the chat format, ``plain`` (a
+turn ``name arg ...`` whose first word is a tool's name: a call with positional
+arguments) in the plain one. ``auto``, the default, is the choice the loop always
+made: with a chat template hermes, a turn without any ``<tool_call>`` tag read as
+llama3_json; without one plain. A named chat parser needs a template, which is known
+once the checkpoint's tokenizer is loaded: the run checks it then
+(:func:`check_tool_format`), before it renders a prompt or starts Ray.
 
 A turn ends on its stop token. A tool turn is written to follow the format's end of
 turn (the template's end-of-turn token, ``<|im_end|>`` / ``<|eot_id|>``; EOS for
@@ -28,10 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from vime.backends.registry import resolve
 from vime.config.errors import ConfigError
 from vime.data.prompts import as_messages
 from vime.rollout.agent import (
@@ -42,6 +49,7 @@ from vime.rollout.agent import (
     load_generate_function,
 )
 from vime.rollout.decoding import decode_turns, stop_token_ids
+from vime.rollout.tool_parsers import AUTO, ToolParserSpec, resolve_tool_parser
 from vime.rollout.tool_turns import ToolTurnRenderer, truncate_output
 from vime.rollout.tools import (
     ParseError,
@@ -49,8 +57,12 @@ from vime.rollout.tools import (
     ToolCall,
     ToolResult,
     ToolSettings,
+    parse_plain,
     parse_tool_calls,
 )
+
+# A parser (vime.rollout.tool_parsers): the calls of one turn, [] for an answer.
+Parse = Callable[[str, Toolbox], list[ToolCall] | ParseError]
 
 CUT_BUDGET, CUT_MAX_TURNS = "budget", "max_turns"
 PLAIN_PROMPT_END = "="
@@ -58,10 +70,13 @@ PLAIN_PROMPT_END = "="
 
 @dataclass(frozen=True)
 class ToolLoopSettings:
-    """``max_turns`` model turns at most; the tools' own limits."""
+    """``max_turns`` model turns at most; the tools' own limits; ``parser``, the
+    ``--tool-parser`` name (``vime.rollout.tool_parsers``; ``auto`` resolved by the
+    tokenizer when the loop is built)."""
 
     max_turns: int = 4
     tools: ToolSettings = field(default_factory=ToolSettings)
+    parser: str = AUTO
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -69,7 +84,11 @@ class ToolLoopSettings:
 
     @classmethod
     def from_args(cls, args: Any) -> ToolLoopSettings:
-        return cls(args.max_turns, ToolSettings(args.tool_timeout, args.tool_max_output_tokens))
+        return cls(
+            args.max_turns,
+            ToolSettings(args.tool_timeout, args.tool_max_output_tokens),
+            args.tool_parser,
+        )
 
 
 class ToolFormat(Protocol):
@@ -92,17 +111,24 @@ class ToolFormat(Protocol):
 
 
 class ChatFormat:
-    """Tool turns rendered by the chat template; calls in ``<tool_call>`` JSON blocks."""
+    """Tool turns rendered by the chat template; calls read by ``parse`` (default
+    ``auto``'s: ``<tool_call>`` JSON blocks, else a bare JSON call turn)."""
 
-    def __init__(self, tokenizer: Any, toolbox: Toolbox, max_output_tokens: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        toolbox: Toolbox,
+        max_output_tokens: int,
+        parse: Parse = parse_tool_calls,
+    ) -> None:
         self.renderer = ToolTurnRenderer(tokenizer, toolbox.schemas)
-        self.max_output_tokens = max_output_tokens
+        self.toolbox, self.max_output_tokens, self._parse = toolbox, max_output_tokens, parse
 
     def start(self, sample: AgentSample) -> list[dict[str, Any]]:
         return as_messages(sample.prompt.text)
 
     def parse(self, text: str) -> list[ToolCall] | ParseError:
-        return parse_tool_calls(text)
+        return self._parse(text, self.toolbox)
 
     @property
     def end_of_turn_id(self) -> int:
@@ -120,11 +146,18 @@ class ChatFormat:
 
 
 class PlainFormat:
-    """``name arg ...`` calls (the first word a tool's name); answers as text then ``=``."""
+    """Answers as text then ``=``; calls read by ``parse`` (default ``name arg ...``, the
+    first word a tool's name)."""
 
-    def __init__(self, tokenizer: Any, toolbox: Toolbox, max_output_tokens: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        toolbox: Toolbox,
+        max_output_tokens: int,
+        parse: Parse = parse_plain,
+    ) -> None:
         self.tokenizer, self.toolbox = tokenizer, toolbox
-        self.max_output_tokens = max_output_tokens
+        self.max_output_tokens, self._parse = max_output_tokens, parse
 
     def start(self, sample: AgentSample) -> None:
         return None
@@ -134,10 +167,7 @@ class PlainFormat:
         return self.tokenizer.eos_token_id
 
     def parse(self, text: str) -> list[ToolCall] | ParseError:
-        words = text.split()
-        if not words or words[0] not in self.toolbox.names:
-            return []
-        return [self.toolbox.positional_call(words[0], words[1:])]
+        return self._parse(text, self.toolbox)
 
     def answer_ids(self, state: None, turn_text: str, results: Sequence[ToolResult]) -> list[int]:
         text = " ".join(
@@ -146,11 +176,46 @@ class PlainFormat:
         return list(self.tokenizer.encode(text + PLAIN_PROMPT_END, add_special_tokens=False))
 
 
-def tool_format(tokenizer: Any, toolbox: Toolbox, max_output_tokens: int) -> ToolFormat:
-    """``chat`` when the tokenizer has a chat template, else ``plain``."""
-    if getattr(tokenizer, "chat_template", None):
-        return ChatFormat(tokenizer, toolbox, max_output_tokens)
-    return PlainFormat(tokenizer, toolbox, max_output_tokens)
+def tool_parser_for(name: str, tokenizer: Any) -> ToolParserSpec:
+    """The parser ``--tool-parser name`` reads ``tokenizer``'s turns with (``auto``: by
+    whether it has a chat template); a chat parser (hermes, llama3_json) for a tokenizer
+    without a template is a ConfigError."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    spec = resolve_tool_parser(name, has_template)
+    if spec.chat and not has_template:
+        raise ConfigError(
+            f"--tool-parser {name}: the checkpoint's tokenizer has no chat template, and "
+            f"{name} reads turns the template frames (its tool turns are the template's); "
+            "use --tool-parser plain, without --apply-chat-template"
+        )
+    return spec
+
+
+def tool_format(
+    tokenizer: Any, toolbox: Toolbox, max_output_tokens: int, parser: str = AUTO
+) -> ToolFormat:
+    """The format of ``--tool-parser parser``: ``chat`` for hermes, llama3_json and
+    ``auto`` with a chat template, else ``plain``; its turns read by the parser."""
+    spec = tool_parser_for(parser, tokenizer)
+    fmt = ChatFormat if spec.chat else PlainFormat
+    return fmt(tokenizer, toolbox, max_output_tokens, resolve(spec.parse))
+
+
+def check_tool_format(args: Any, tokenizer: Any) -> ToolParserSpec:
+    """The parser ``args.tool_parser`` picks for the run's ``tokenizer``; ConfigError when
+    it cannot read this model's turns: a named chat parser and no chat template, or a
+    chat template without ``--apply-chat-template`` (the tools are shown through it).
+
+    The template is known once the checkpoint's tokenizer is loaded: ``vime.trainer.Run``
+    calls this then, before it renders a prompt or starts Ray; :func:`build_agent` again.
+    """
+    spec = tool_parser_for(args.tool_parser, tokenizer)
+    if spec.chat and not args.apply_chat_template:
+        raise ConfigError(
+            f"--tools {args.tools}: the model reads the tools through its chat template; "
+            "add --apply-chat-template"
+        )
+    return spec
 
 
 class ToolLoop:
@@ -167,7 +232,9 @@ class ToolLoop:
     ) -> None:
         self.toolbox, self.tokenizer, self.settings = toolbox, tokenizer, settings
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.format = fmt or tool_format(tokenizer, toolbox, settings.tools.max_output_tokens)
+        self.format = fmt or tool_format(
+            tokenizer, toolbox, settings.tools.max_output_tokens, settings.parser
+        )
 
     def _text(self, ids: Sequence[int]) -> str:
         return decode_turns(self.tokenizer, [ids], self.stop_token_ids)[0]
@@ -223,11 +290,7 @@ def build_agent(
         return AgentRollouts(load_generate_function(spec), engines, budget, name=spec)
     if toolbox is None:
         return None
-    if getattr(tokenizer, "chat_template", None) and not args.apply_chat_template:
-        raise ConfigError(
-            f"--tools {args.tools}: the model reads the tools through its chat template; "
-            "add --apply-chat-template"
-        )
+    check_tool_format(args, tokenizer)
     stops = stop_token_ids(args.rollout_stop_token_ids, tokenizer.eos_token_id)
     loop = ToolLoop(toolbox, tokenizer, ToolLoopSettings.from_args(args), stop_token_ids=stops)
     return AgentRollouts(loop, engines, budget, name=f"--tools {args.tools}")

@@ -1,15 +1,18 @@
 """Tools a policy may call during a rollout: loading, parsing calls, running them.
 
-Where it fits: the multi-turn agent loop (to come) loads the user's functions
+Where it fits: the tool loop (``vime.rollout.tool_loop``) loads the user's functions
 once with :func:`load_tools` (``module:NAME``, NAME a list of functions), shows
 their JSON schemas (``Toolbox.schemas``) to the chat template, parses each
-generated turn with :func:`parse_tool_calls` (the Qwen/Hermes
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` format) and awaits
-:meth:`Toolbox.run` per call. This module owns the tools' contract: a bad tool
-list is a one-line ``ConfigError`` at start-up; at rollout time nothing raises --
-every failure (malformed call, unknown tool, bad arguments, a tool that raised
-or ran past its timeout) is a :class:`ToolResult` whose text the model reads and
-whose ``kind`` feeds metrics. Rendering results back into token ids lives in
+generated turn with the ``--tool-parser``'s function (:func:`parse_hermes`, the
+Qwen/Hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks;
+:func:`parse_llama3_json`, Llama 3.x's bare JSON call turn; :func:`parse_plain`,
+``name arg ...``; ``auto``'s :func:`parse_tool_calls`; the names are
+``vime.rollout.tool_parsers``'s) and awaits :meth:`Toolbox.run` per call. This
+module owns the tools' contract: a bad tool list is a one-line ``ConfigError`` at
+start-up; at rollout time nothing raises -- every failure (malformed call, unknown
+tool, bad arguments, a tool that raised or ran past its timeout) is a
+:class:`ToolResult` whose text the model reads and whose ``kind`` feeds metrics.
+Rendering results back into token ids lives in
 :mod:`vime.rollout.tool_turns`.
 """
 
@@ -267,20 +270,30 @@ THINK_CLOSE = "</think>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
 
 
-def parse_tool_calls(text: str) -> list[ToolCall] | ParseError:
-    """The calls in one generated turn, in order: Qwen/Hermes ``<tool_call>`` blocks, or
-    a turn that is one JSON object ``{"name": ..., "parameters": {...}}`` (Llama 3.x's
-    JSON tool calling, optionally after ``<|python_tag|>``).
+def parse_tool_calls(text: str, toolbox: Toolbox | None = None) -> list[ToolCall] | ParseError:
+    """``--tool-parser auto``'s reading of a chat model's turn (the only one before the
+    flag): :func:`parse_hermes`, and a turn without any ``<tool_call>`` tag read by
+    :func:`parse_llama3_json`, whatever the template.
 
     ``[]``: no call, the turn is a final answer. A list: the calls to run.
-    :class:`ParseError`: some block is malformed (bad JSON, no ``name``,
-    ``arguments`` not an object, an unterminated or stray tag); the loop shows
-    its message to the model. ``arguments`` may also be a JSON string holding
-    the object, and may be left out (``{}``). Text up to the last ``</think>``
-    is reasoning and is not searched.
+    :class:`ParseError`: some call is malformed; the loop shows its message to the
+    model. ``toolbox`` is not needed (a parser's signature: ``vime.rollout.tool_parsers``).
     """
-    if THINK_CLOSE in text:
-        text = text.rsplit(THINK_CLOSE, 1)[1]
+    calls = parse_hermes(text)
+    return calls if calls != [] else parse_llama3_json(text)
+
+
+def parse_hermes(text: str, toolbox: Toolbox | None = None) -> list[ToolCall] | ParseError:
+    """``--tool-parser hermes``: the Qwen/Hermes ``<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>`` blocks of one generated turn, in order; a turn without any is
+    an answer (a bare JSON object too: that is ``llama3_json``'s form).
+
+    :class:`ParseError` when some block is malformed (bad JSON, no ``name``,
+    ``arguments`` not an object, an unterminated or stray tag). ``arguments`` may also
+    be a JSON string holding the object, and may be left out (``{}``). Text up to the
+    last ``</think>`` is reasoning and is not searched.
+    """
+    text = _after_thinking(text)
     calls: list[ToolCall] = []
     pos = 0
     while True:
@@ -289,7 +302,7 @@ def parse_tool_calls(text: str) -> list[ToolCall] | ParseError:
         if stray != -1 and (open_at == -1 or stray < open_at):
             return ParseError(f"{TOOL_CALL_CLOSE} without {TOOL_CALL_OPEN} (call {len(calls) + 1})")
         if open_at == -1:
-            return calls or _bare_json_call(text)
+            return calls
         body_at = open_at + len(TOOL_CALL_OPEN)
         close_at = text.find(TOOL_CALL_CLOSE, body_at)
         reopen = text.find(TOOL_CALL_OPEN, body_at)
@@ -300,6 +313,31 @@ def parse_tool_calls(text: str) -> list[ToolCall] | ParseError:
             return call
         calls.append(call)
         pos = close_at + len(TOOL_CALL_CLOSE)
+
+
+def parse_llama3_json(text: str, toolbox: Toolbox | None = None) -> list[ToolCall] | ParseError:
+    """``--tool-parser llama3_json``: Llama 3.x's JSON tool calling, a turn that is one
+    JSON object ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), optionally
+    after ``<|python_tag|>``: one call. Any other turn is an answer, ``<tool_call>``
+    blocks and JSON that names no call included; a call with a malformed argument
+    object is a :class:`ParseError`. Text up to the last ``</think>`` is not searched.
+    """
+    return _bare_json_call(_after_thinking(text))
+
+
+def parse_plain(text: str, toolbox: Toolbox) -> list[ToolCall] | ParseError:
+    """``--tool-parser plain``: a turn ``name arg ...`` whose first word is one of
+    ``toolbox``'s tools is a call with those positional arguments
+    (:meth:`Toolbox.positional_call`); any other turn is an answer."""
+    words = text.split()
+    if not words or words[0] not in toolbox.names:
+        return []
+    return [toolbox.positional_call(words[0], words[1:])]
+
+
+def _after_thinking(text: str) -> str:
+    """``text`` after its last ``</think>`` (reasoning is not searched for calls)."""
+    return text.rsplit(THINK_CLOSE, 1)[1] if THINK_CLOSE in text else text
 
 
 def _bare_json_call(text: str) -> list[ToolCall] | ParseError:
