@@ -78,7 +78,8 @@ def _start_ray_importing_the_trainer(config: Config, startup: Any) -> Callable[.
     ``imports`` of ``startup``, which ran together. The modules imported on the other
     thread (torch, transformers, vime's) are none of those ``ray.init`` imports.
     """
-    from vime.ray.placement import layout_of, start_ray
+    from vime.ray.cluster import start_ray
+    from vime.ray.placement import layout_of
     from vime.tracking import HF_PROGRESS_BARS_VAR
 
     # Before Ray starts: its processes inherit the environment (see the run's
@@ -133,7 +134,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if config.dry_run:
         return 0
     from vime.perf import StartupClock, process_start_time
-    from vime.ray.placement import ActorFailure, Terminated
+    from vime.ray.errors import ActorFailure, Terminated
     from vime.tracking import default_output_dir
 
     config = config.replace(output_dir=config.output_dir or default_output_dir())

@@ -34,18 +34,10 @@ from vime.data.prompts import (
     run_length,
 )
 from vime.profiling import PhaseClock, TimedCalls
+from vime.ray.cluster import cluster_gpus, start_ray, stop_ray
 from vime.ray.engines import EngineGroup
-from vime.ray.placement import (
-    ActorFailure,
-    Terminated,
-    cluster_gpus,
-    layout_of,
-    reserve,
-    split_cores,
-    start_ray,
-    stop_ray,
-    wait_all,
-)
+from vime.ray.errors import ActorFailure, Terminated, wait_all
+from vime.ray.placement import layout_of, reserve, split_cores
 from vime.ray.train_group import RayTrainGroup
 from vime.ray.transports import make_transport
 from vime.ray.turns import DeviceTurns

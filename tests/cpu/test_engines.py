@@ -41,13 +41,14 @@ from tiny_models import save_tiny, tiny_qwen3_config
 from vime.config.errors import ConfigError
 from vime.config.parser import parse_args
 from vime.ray import engines
+from vime.ray.cluster import init_local_ray
 from vime.ray.engines import (
     COLOCATED_GPU_SHARE,
     EngineGroup,
     _split,
     engine_actor_spec,
 )
-from vime.ray.placement import Layout, init_local_ray
+from vime.ray.placement import Layout
 from vime.rollout.builders import engine_max_model_len, hf_engine_dtype
 from vime.rollout.registry import TINY_MODEL_REASON, resolve_engine
 from vime.rollout.types import SamplingParams
@@ -357,7 +358,7 @@ def test_a_dead_engine_is_named_as_the_cause() -> None:
     """After a failed transfer, ``raise_if_one_died`` names the engine whose process is
     gone (real Ray actors standing in for the engines), and says nothing while all live."""
     ray = pytest.importorskip("ray")
-    from vime.ray.placement import ActorFailure, label_actor
+    from vime.ray.errors import ActorFailure, label_actor
 
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -20,7 +20,9 @@ from vime.config.parser import parse_args
 from vime.data.prompts import PromptSource, load_prompts, render_prompt
 from vime.data.tasks import CHARSET, get_task
 from vime.models.embedded import load_tokenizer, write_embedded_checkpoint
-from vime.ray.placement import ActorFailure, Layout, init_local_ray, reserve
+from vime.ray.cluster import init_local_ray
+from vime.ray.errors import ActorFailure
+from vime.ray.placement import Layout, reserve
 from vime.rollout.agent import AgentRollouts, Trajectory
 from vime.rollout.manager import RolloutManager
 from vime.rollout.producer import ProducerSettings, RolloutProducer

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from vime.config import ConfigError
-from vime.ray.placement import start_ray
+from vime.ray.cluster import start_ray
 from vime.weights.transports import free_port
 
 RUN_FLAGS = [

@@ -646,8 +646,9 @@ def test_engine_actor_openmp_sleeps_when_idle(
     environment from the start, and win over a spinning policy the driver passes on."""
     import ray
 
+    from vime.ray.cluster import init_local_ray
     from vime.ray.engines import EngineGroup
-    from vime.ray.placement import Layout, init_local_ray, reserve
+    from vime.ray.placement import Layout, reserve
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # inherited by Ray's workers
     started = not ray.is_initialized()

@@ -26,7 +26,8 @@ import ray
 from vime import device as vime_device
 from vime import profiling
 from vime.config.errors import ConfigError
-from vime.ray.placement import Layout, Placement, label_actor, pin_process, process_cores, wait_all
+from vime.ray.errors import label_actor, wait_all
+from vime.ray.placement import Layout, Placement, pin_process, process_cores
 from vime.ray.transports import transport_class
 from vime.rollout import registry
 from vime.rollout.types import Completion, SamplingParams

@@ -28,7 +28,8 @@ import ray
 from vime import device as vime_device
 from vime import perf, profiling
 from vime.backends import registry
-from vime.ray.placement import Placement, label_actor, pin_process, process_cores, wait_all
+from vime.ray.errors import label_actor, wait_all
+from vime.ray.placement import Placement, pin_process, process_cores
 from vime.ray.transports import transport_class
 
 

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Protocol
 
 import ray
 
-from vime.ray.placement import wait_all
+from vime.ray.errors import wait_all
 
 
 @dataclass(frozen=True)

@@ -261,7 +261,7 @@ class AgentRollouts:
     ) -> list[list[Completion]]:
         """As :meth:`generate`, every turn on engine ``engine`` (the asynchronous producer's
         calls, each in a thread of its own)."""
-        from vime.ray.placement import wait_all
+        from vime.ray.errors import wait_all
 
         def call(ids: list[list[int]], turn: SamplingParams) -> list[list[Completion]]:
             (out,) = wait_all([self.engines.submit(engine, ids, turn)], "generating turns")

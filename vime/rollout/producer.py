@@ -37,7 +37,7 @@ import ray
 
 from vime.data.batch import RolloutBatch
 from vime.data.prompts import Prompt
-from vime.ray.placement import wait_all
+from vime.ray.errors import wait_all
 from vime.rollout.manager import DataExhausted, RolloutManager, _all_agree, rollout_seed
 from vime.rollout.staleness import Admission, ReadyGroups
 
