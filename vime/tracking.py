@@ -33,7 +33,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"

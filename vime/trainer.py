@@ -20,7 +20,6 @@ from typing import Any
 import ray
 
 from vime import perf
-from vime.config.errors import ConfigError
 from vime.config.parser import Config
 from vime.config.validate import check_cluster_devices, joins_cluster
 from vime.data.batch import RolloutBatch, TrainSchedule, schedule
@@ -33,6 +32,7 @@ from vime.data.prompts import (
     render_prompt,
     run_length,
 )
+from vime.errors import ConfigError
 from vime.profiling import PhaseClock, TimedCalls
 from vime.ray.cluster import cluster_gpus, start_ray, stop_ray
 from vime.ray.engines import EngineGroup

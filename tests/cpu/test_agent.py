@@ -20,8 +20,8 @@ import pytest
 import torch
 from tiny_models import save_tiny, tiny_qwen3_config
 
-from vime.config.errors import ConfigError
 from vime.data.prompts import Prompt
+from vime.errors import ConfigError
 from vime.rollout.agent import (
     CALLS_PER_SAMPLE,
     AgentRollouts,

@@ -38,8 +38,8 @@ from types import SimpleNamespace
 import pytest
 from tiny_models import save_tiny, tiny_qwen3_config
 
-from vime.config.errors import ConfigError
 from vime.config.parser import parse_args
+from vime.errors import ConfigError
 from vime.ray import engines
 from vime.ray.cluster import init_local_ray
 from vime.ray.engines import (

@@ -299,7 +299,7 @@ def test_an_unknown_module_to_save_lists_the_modules(hf_dir) -> None:
     from transformers import AutoModelForCausalLM
 
     from vime.backends.fsdp2.lora import inject
-    from vime.config.errors import ConfigError
+    from vime.errors import ConfigError
     from vime.weights.lora import LoraSettings
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
@@ -494,7 +494,7 @@ def test_a_target_matching_no_linear_layer_lists_them(hf_dir) -> None:
     from transformers import AutoModelForCausalLM
 
     from vime.backends.fsdp2.lora import inject
-    from vime.config.errors import ConfigError
+    from vime.errors import ConfigError
     from vime.weights.lora import LoraSettings
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir)

@@ -28,7 +28,7 @@ pytest.importorskip("megatron.core")
 
 from vime.backends.megatron.flags import stage_layer_counts
 from vime.backends.megatron.pipeline import EMBEDDING, TIED_COPY, Stage, run_schedule
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 
 
 def test_layers_split_into_equal_runs_and_renumbered() -> None:

@@ -35,7 +35,7 @@ from megatron.core.models.gpt import gpt_layer_specs
 from vime.backends.megatron import convert, flags
 from vime.backends.megatron import model as mmodel
 from vime.config import parse_args
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 
 TE_FLAG = ("--train-backend", "megatron", "--megatron-transformer-impl", "transformer_engine")
 HAVE_CUDA = torch.cuda.is_available()

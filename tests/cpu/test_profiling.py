@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from vime import profiling
-from vime.config.errors import ConfigError
 from vime.config.parser import parse_args
+from vime.errors import ConfigError
 from vime.profiling import PhaseClock, Recorder, TimedCalls, covered_ns, timing_metrics
 
 S = 1_000_000_000  # one second in ns

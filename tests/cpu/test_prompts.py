@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from vime.config.errors import ConfigError
 from vime.data.prompts import (
     Prompt,
     PromptSource,
@@ -32,6 +31,7 @@ from vime.data.prompts import (
     render_prompt,
 )
 from vime.data.tasks import CHARSET, TASKS
+from vime.errors import ConfigError
 
 
 def _write_jsonl(path: Path, lines: list[str]) -> str:

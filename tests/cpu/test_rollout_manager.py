@@ -244,7 +244,7 @@ def test_over_sampling_asks_for_more_and_keeps_the_first_that_pass(tmp_path, tok
 
 def test_correction_without_the_engines_log_probs_is_refused(tmp_path, tokenizer) -> None:
     """--use-tis where the rollout carries no per-token log-probs stops with one line."""
-    from vime.config.errors import ConfigError
+    from vime.errors import ConfigError
 
     manager, engine = _setup(tmp_path, tokenizer, [MIXED], "--rm-type", "exact", "--use-tis")
     real = engine.generate
@@ -448,8 +448,8 @@ def test_default_num_rollout_is_what_over_sampling_can_feed(tmp_path, tokenizer)
 def test_num_rollout_the_data_cannot_feed_is_refused(tmp_path, tokenizer) -> None:
     """An explicit --num-rollout needing more prompts than --num-epoch passes hold stops
     the run before it starts (one line), rather than ending it early mid-LR-schedule."""
-    from vime.config.errors import ConfigError
     from vime.data.prompts import prompts_per_rollout, run_length
+    from vime.errors import ConfigError
 
     flags = ["--rm-type", "exact", "--dynamic-sampling-filter"]
     manager, _ = _setup(tmp_path, tokenizer, [MIXED] * 12, *flags)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from vime.config.errors import ConfigError
 from vime.data.tasks import CHARSET, DEFAULT_TASK, TASKS, get, get_task
+from vime.errors import ConfigError
 
 NAMES = sorted(TASKS)
 # Tasks whose reward reads the response alone (a tool task's reads the trajectory).

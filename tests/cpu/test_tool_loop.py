@@ -24,9 +24,9 @@ import pytest
 from chat_fixtures import TOOLS_PY, chat_tokenizer
 
 from vime.config import parse_args
-from vime.config.errors import ConfigError
 from vime.data.prompts import Prompt
 from vime.data.tasks import CHARSET, LOOKUP_TOOLS, _lookup_table
+from vime.errors import ConfigError
 from vime.models.embedded import EOS_ID, build_tokenizer
 from vime.rollout import tools
 from vime.rollout.agent import CALLS_PER_SAMPLE, AgentRollouts

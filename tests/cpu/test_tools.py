@@ -27,7 +27,7 @@ import pytest
 from chat_fixtures import TOOLS_PY, chat_tokenizer
 
 from vime.backends.registry import resolve
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 from vime.rollout.tool_parsers import PARSERS, get_tool_parser, tool_parser_choices
 from vime.rollout.tool_turns import (
     TRUNCATED,

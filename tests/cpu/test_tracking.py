@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 from vime.tracking import (
     Tracker,
     default_output_dir,

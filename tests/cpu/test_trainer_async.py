@@ -28,8 +28,8 @@ import pytest
 
 from tests.cpu.test_trainer import FLAKY_REWARD, REQUIRED, SMALL, _metrics, _start, _train
 from vime.checkpoint import TRACKER, iteration_dir, load_metadata
-from vime.config.errors import ConfigError
 from vime.config.parser import parse_args
+from vime.errors import ConfigError
 
 ASYNC = ["--max-staleness", "1"]
 

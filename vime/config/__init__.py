@@ -4,7 +4,7 @@
 every bad input raises. Nothing here imports torch or a backend library.
 """
 
-from vime.config.errors import ConfigError
 from vime.config.parser import Config, build_parser, parse_args
+from vime.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "build_parser", "parse_args"]

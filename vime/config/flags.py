@@ -589,7 +589,7 @@ def apply_embedded_eval_defaults(args: argparse.Namespace) -> None:
     eval split) would be scored wrongly; a user's own prompt file gets no eval set unless
     ``--eval-prompt-data`` names one.
     """
-    from vime.data.prompts import builtin_task_of  # deferred: it imports vime.config
+    from vime.data.prompts import builtin_task_of  # deferred: --help does without it
 
     task = builtin_task_of(args.prompt_data) if args.prompt_data else None
     if args.eval_prompt_data is None and task:
@@ -603,7 +603,7 @@ def apply_embedded_task_defaults(
 ) -> None:
     """A built-in task's own settings for the embedded run (a tool task's trajectories
     need a larger token budget and more rollouts), each unless its flag was given."""
-    from vime.data.prompts import builtin_task_of  # deferred: it imports vime.config
+    from vime.data.prompts import builtin_task_of  # deferred: --help does without it
     from vime.data.tasks import TASKS
 
     name = builtin_task_of(args.prompt_data) if args.prompt_data else None

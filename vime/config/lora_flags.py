@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from vime.backends import registry
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 
 # Every linear projection of a decoder block, as the HF families vime runs name them.
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

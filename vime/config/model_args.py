@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 
 # Model types whose attention normalises q and k per head before RoPE (Megatron's
 # qk_layernorm). Other families with a "q_norm" (OLMo 2) normalise the whole projection,

@@ -17,7 +17,6 @@ import difflib
 from collections.abc import Sequence
 
 from vime.backends import registry
-from vime.config.errors import ConfigError
 from vime.config.flags import (
     EMBEDDED_DEFAULTS,
     add_common_flags,
@@ -25,6 +24,7 @@ from vime.config.flags import (
     apply_embedded_task_defaults,
 )
 from vime.config.validate import validate
+from vime.errors import ConfigError
 
 PROG = "vime-train"
 

@@ -14,10 +14,10 @@ import os
 from typing import Any
 
 from vime.backends import registry
-from vime.config.errors import ConfigError
 from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.config.lora_flags import check_lora
 from vime.config.model_args import check_model_args_against_checkpoint
+from vime.errors import ConfigError
 from vime.rollout import registry as engine_registry
 from vime.rollout import tool_parsers
 
@@ -93,7 +93,7 @@ def _check_data(args: argparse.Namespace) -> None:
 def _check_builtin(flag: str, spec: str) -> str | None:
     """The task of a ``builtin:<task>[:eval]`` spec (None for a file), checked now so that
     a typo fails before any process starts."""
-    from vime.data.prompts import parse_builtin_spec  # deferred: it imports vime.config
+    from vime.data.prompts import parse_builtin_spec  # deferred: --help does without it
 
     try:
         parsed = parse_builtin_spec(spec)
@@ -424,7 +424,7 @@ def _check_custom_functions(args: argparse.Namespace) -> None:
 def _check_agent(args: argparse.Namespace) -> None:
     """Multi-turn rollouts: a built-in tool task implies its tools; the tools or the
     generate function import now, so a broken one fails at start-up."""
-    from vime.data.prompts import builtin_task_of  # deferred: no config<->data cycle
+    from vime.data.prompts import builtin_task_of  # deferred: --help does without it
 
     task = builtin_task_of(args.prompt_data) if args.prompt_data else None
     if task:
@@ -492,7 +492,7 @@ def _check_tool_parser(args: argparse.Namespace) -> None:
 
 def _check_rewards(args: argparse.Namespace) -> None:
     """Pick the reward now (and import --custom-rm-path), so a broken one fails at start-up."""
-    from vime.rollout.rewards import check_reward_args  # deferred: no config<->rollout cycle
+    from vime.rollout.rewards import check_reward_args  # deferred: --help does without it
 
     check_reward_args(args)
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vime.config.errors import ConfigError
 from vime.data.tasks import SPLITS, Task, get_task
+from vime.errors import ConfigError
 
 BUILTIN_PREFIX = "builtin:"
 SUPPORTED = ".jsonl, .parquet or builtin:<task>[:eval]"

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 
 # The embedded tokenizer's vocabulary (besides special tokens) is exactly these
 # characters, in this order: changing it changes every token id of the default model.

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 from vime.ray.errors import Terminated
 from vime.tracking import HF_PROGRESS_BARS_VAR
 

@@ -25,7 +25,7 @@ import ray
 
 from vime import device as vime_device
 from vime import profiling
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 from vime.ray.errors import label_actor, wait_all
 from vime.ray.placement import Layout, Placement, pin_process, process_cores
 from vime.ray.transports import transport_class

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vime.algo.custom import load_function
-from vime.config.errors import ConfigError
 from vime.data.prompts import Prompt
+from vime.errors import ConfigError
 from vime.rollout.types import Completion, SamplingParams
 
 # Turn t of sample i is seeded as prompt index i * CALLS_PER_SAMPLE + t.

@@ -40,7 +40,7 @@ def add_vllm_flags(p: argparse._ArgumentGroup | argparse.ArgumentParser) -> None
 
 def validate_vllm_flags(args: Any) -> None:
     """Check vLLM's flags and fill in their defaults (``ConfigError``, one line)."""
-    from vime.config.errors import ConfigError
+    from vime.errors import ConfigError
 
     share = args.rollout_gpu_memory_utilization
     if share is None:
@@ -53,7 +53,7 @@ def validate_vllm_flags(args: Any) -> None:
 
 
 def _check_vllm_lora(args: Any) -> None:
-    from vime.config.errors import ConfigError
+    from vime.errors import ConfigError
 
     if args.vllm_lora == "auto":
         return

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from vime.algo import compute_advantages, load_function
-from vime.config.errors import ConfigError
 from vime.data.batch import RolloutBatch
 from vime.data.prompts import Prompt, PromptSource
+from vime.errors import ConfigError
 from vime.rollout.agent import AgentRollouts
 from vime.rollout.decoding import decode_turns, stop_token_ids
 from vime.rollout.rewards import RewardInput, RewardScorer

@@ -54,7 +54,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 from vime.rollout.math_answer import math_reward
 
 MAX_CONCURRENCY = 32  # reward calls in flight at once (threads, requests)

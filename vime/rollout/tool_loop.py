@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vime.backends.registry import resolve
-from vime.config.errors import ConfigError
 from vime.data.prompts import as_messages
+from vime.errors import ConfigError
 from vime.rollout.agent import (
     AgentRollouts,
     AgentSample,

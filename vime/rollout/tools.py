@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vime.algo.custom import import_module_spec
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 
 ErrorKind = Literal["parse", "unknown_tool", "bad_arguments", "raised", "timeout"]
 ERROR_KINDS: tuple[ErrorKind, ...] = ("parse", "unknown_tool", "bad_arguments", "raised", "timeout")

@@ -11,8 +11,8 @@ import argparse
 import importlib.util
 from collections.abc import Callable
 
-from vime.config.errors import ConfigError
 from vime.config.validate import joins_cluster
+from vime.errors import ConfigError
 
 # No float16: it needs loss scaling, which vime does not do; bf16 is the only half dtype
 # vime trains in (the megatron backend offers the same choices).

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from vime.config.errors import ConfigError
+from vime.errors import ConfigError
 from vime.weights.lora import LoraSettings, peft_config
 
 _ADAPTER = "default"  # peft's name of the one adapter

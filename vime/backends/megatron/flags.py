@@ -22,8 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from vime.config.errors import ConfigError
 from vime.config.validate import joins_cluster
+from vime.errors import ConfigError
 from vime.models.embedded import architecture_fields
 
 # Where a parse-time error says the model came from when no --hf-checkpoint is given.
