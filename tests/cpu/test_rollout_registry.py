@@ -5,9 +5,10 @@ that an unknown engine name fails with one line naming the choices, that every p
 an engine spec names resolves (builder, import check and fix, flag functions) and its
 flags land in the parser, and that ``EngineActor`` builds through the registry (an
 in-process hf engine on a tiny checkpoint). On the transport side: ``--weight-sync``
-accepts exactly ``auto`` and the registered transports, each name resolves to its
-class, an unknown one fails in one line naming the choices, and each transport takes
-its own small frozen settings from the run's flags.
+accepts exactly ``auto`` and the registered transports (``vime.ray.transport_names``
+lists the same, each with its description), each name resolves to its class, an
+unknown one fails in one line naming the choices, and each transport takes its own
+small frozen settings from the run's flags.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tiny_models import save_tiny, tiny_qwen3_config
 from vime.backends.registry import resolve
 from vime.config import build_parser, parse_args
 from vime.config.flags import WEIGHT_SYNC_TRANSPORTS
-from vime.ray import transports
+from vime.ray import transport_names, transports
 from vime.rollout import registry
 
 
@@ -97,6 +98,9 @@ def test_engine_actor_builds_through_the_registry(tmp_path: Path) -> None:
 def test_weight_sync_choices_are_auto_and_the_transports() -> None:
     assert _choices("weight_sync") == WEIGHT_SYNC_TRANSPORTS
     assert ("auto", *transports.TRANSPORTS) == WEIGHT_SYNC_TRANSPORTS
+    # The light list of names (vime.ray.transport_names) is the classes', in their order.
+    assert transport_names.transport_names() == tuple(transports.TRANSPORTS)
+    assert all(transport_names.DESCRIPTIONS.values())
 
 
 @pytest.mark.parametrize(

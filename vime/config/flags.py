@@ -15,11 +15,12 @@ import argparse
 from collections.abc import Sequence
 
 from vime.config.lora_flags import add_lora_flags
+from vime.ray import transport_names
 from vime.rollout import registry as engine_registry
 from vime.rollout import tool_parsers
 
-# The engines' names and their own flags come from vime.rollout.registry (no torch
-# import); the transports' names mirror vime.ray.transports.TRANSPORTS, which imports Ray.
+# The engines' names and their own flags come from vime.rollout.registry, the weight
+# transports' names from vime.ray.transport_names (neither imports torch or Ray).
 ROLLOUT_ENGINES = engine_registry.rollout_engine_choices()
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -35,7 +36,7 @@ CORRECTION_MODES = ("truncate", "mask")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 RM_TYPES = ("math", "exact", "builtin")
 CPU_SPLITS = ("auto", "on", "off")
-WEIGHT_SYNC_TRANSPORTS = ("auto", "object-store", "broadcast", "cuda-ipc", "disk")
+WEIGHT_SYNC_TRANSPORTS = transport_names.weight_sync_choices()
 
 
 def positive_int(text: str) -> int:
@@ -202,8 +203,7 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
         "--weight-sync",
         choices=WEIGHT_SYNC_TRANSPORTS,
         default="auto",
-        help="how new weights reach the engines (auto: cuda-ipc when colocated on GPU, "
-        "broadcast to one-GPU engines on GPUs of their own, else object-store)",
+        help=f"how new weights reach the engines (auto: {transport_names.AUTO_RULE})",
     )
     for add_engine_flags in engine_registry.flag_adders():  # every engine's: auto may pick any
         add_engine_flags(p)

@@ -13,8 +13,9 @@ Each class holds the three parts of one transport, each run in its own process:
   ``open_receiver`` where the transport keeps something on the engine.
 
 The tensors are moved by ``vime.weights.transports`` (no Ray there). A transport
-takes its own small frozen settings, never the run's flags. Adding one: a class
-here, its entry in ``TRANSPORTS``, its name in ``--weight-sync``'s choices.
+takes its own small frozen settings, never the run's flags. Adding one: its name and
+description in ``vime.ray.transport_names`` (``--weight-sync``'s choices), a class
+here and its entry in ``TRANSPORTS``.
 """
 
 from __future__ import annotations
