@@ -8,9 +8,9 @@ on the same engine and the same weights:
 
 - **one call**: ``engine.update_weights(all buckets)``: the floor, what the engine
   itself spends loading the set;
-- **broadcast, bucket by bucket**: ``EngineActor.receive_bucket`` for each bucket
-  over a real gloo ``BroadcastGroup`` (the sender, group rank 0, runs in a thread of
-  this process), then ``finish_update``: the path a broadcast sync takes.
+- **broadcast, bucket by bucket**: ``EngineActor.receive_weights("broadcast", ...)``
+  for each bucket over a real gloo ``BroadcastGroup`` (the sender, group rank 0, runs
+  in a thread of this process), then ``finish_update``: the path a broadcast sync takes.
 
 Every bucket holds about ``--bucket-layers`` decoder layers, so a deep model with small
 buckets shows what each extra call costs. The engine is vLLM (CPU build, in-process)
@@ -115,13 +115,13 @@ def _broadcast_sync(actor: Any, buckets: list[Any], version: int) -> float:
         target=lambda: sender.update(group=BroadcastGroup("127.0.0.1", port, 0, 2))
     )
     opened.start()
-    actor.join_broadcast("127.0.0.1", port, 1, 2, "gloo")
+    actor.open_weight_link("broadcast", "127.0.0.1", port, 1, 2, "gloo")
     opened.join()
     start = time.perf_counter()
     for bucket in buckets:
         sending = threading.Thread(target=sender["group"].send, args=(bucket,))
         sending.start()
-        actor.receive_bucket(metadata_of(bucket))
+        actor.receive_weights("broadcast", metadata_of(bucket))
         sending.join()
     actor.finish_update(version)
     return time.perf_counter() - start

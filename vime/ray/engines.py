@@ -230,14 +230,6 @@ class EngineActor:
         self.engine.weight_version = version
         return version
 
-    # The broadcast receiver's steps by name, for a caller that drives an actor in its own
-    # process (bench/engine_update.py).
-    def join_broadcast(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
-        self.open_weight_link("broadcast", host, port, rank, world, backend)
-
-    def receive_bucket(self, metadata: list[Any]) -> None:
-        self.receive_weights("broadcast", metadata)
-
     @profiling.timed("sleep")
     def sleep(self) -> None:
         self._same_threads()
