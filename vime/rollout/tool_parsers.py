@@ -6,8 +6,8 @@ Where it fits: the only module that names a tool-call parser (vLLM's
 against the rest; the tool loop (``vime.rollout.tool_loop.tool_format``) resolves
 ``auto`` once the tokenizer is known and reads every turn with the spec's function.
 The functions are named by ``module:attribute`` and resolved on demand, so
-``vime-train --help`` imports no parser (and no torch); this module imports nothing
-from vime when it loads (vime.config imports it).
+``vime-train --help`` imports no parser (and no torch); this module imports only
+``vime.errors`` when it loads (vime.config imports it).
 
 A parser is ``(text, toolbox) -> list[ToolCall] | ParseError`` (``vime.rollout.tools``):
 ``[]`` when the turn is a final answer. ``chat`` parsers read turns framed by the
@@ -24,6 +24,8 @@ Adding a parser: its function in ``vime.rollout.tools`` and one ``ToolParserSpec
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from vime.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,6 @@ def get_tool_parser(name: str) -> ToolParserSpec:
     """The parser registered under ``name``; ConfigError naming the choices in one line."""
     spec = PARSERS.get(name)
     if spec is None:
-        from vime.config.errors import ConfigError  # deferred: vime.config imports this module
-
         choices = ", ".join(tool_parser_choices())
         raise ConfigError(f"--tool-parser {name!r}: no such tool parser; choose from: {choices}")
     return spec
