@@ -19,6 +19,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vime.config import Config, ConfigError, parse_args
+from vime.config.validate import joins_cluster
+
+LOCAL_RAY_LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 # The start-up figure's origin where /proc does not say when the process started
 # (vime.perf.process_start_time), or main() is called with its own argv.
@@ -119,6 +122,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def local_ray_on_loopback(config: Config) -> None:
+    """A Ray the run starts for itself (no cluster to join) serves on loopback only.
+
+    On Linux Ray replaces 127.0.0.1 by the machine's outward address and its servers
+    listen on every interface unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` is 0: then the
+    node is 127.0.0.1, as nothing outside this machine joins it. Ray reads the variable
+    when it is first imported, so this runs before the trainer is.
+    """
+    if not joins_cluster(config):
+        os.environ.setdefault(LOCAL_RAY_LOOPBACK_VAR, "0")
+
+
 def _main(argv: Sequence[str] | None) -> int:
     # Hooks given as module:function resolve against the working directory, as under python -m.
     if os.getcwd() not in sys.path:
@@ -133,6 +148,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(note, flush=True)
     if config.dry_run:
         return 0
+    local_ray_on_loopback(config)
     from vime.perf import StartupClock, process_start_time
     from vime.ray.errors import ActorFailure, Terminated
     from vime.tracking import default_output_dir

@@ -176,3 +176,44 @@ def test_a_late_local_start_is_cleaned_up_and_tried_again(monkeypatch, capsys) -
     with pytest.raises(ValueError):
         init_local_ray(num_cpus=-1)
     assert len(calls) == 1
+
+
+LOOPBACK_CHECK = """
+import json, os, sys
+from vime.cli import local_ray_on_loopback
+from vime.config import parse_args
+config = parse_args(sys.argv[1:])
+local_ray_on_loopback(config)
+print(json.dumps({"var": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}))
+if not config.ray_address:
+    import ray
+    from vime.ray.cluster import start_ray, stop_ray
+    start_ray(None, 1)
+    print(json.dumps({"node": ray.util.get_node_ip_address(),
+                      "gcs": ray.get_runtime_context().gcs_address}))
+    stop_ray()
+"""
+
+
+def test_a_ray_the_run_starts_itself_serves_on_loopback_only() -> None:
+    """vime-train's own local Ray takes 127.0.0.1 as its node address (Ray would take the
+    machine's outward one); a run that joins a cluster leaves Ray's choice alone."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env.pop("RAY_ADDRESS", None)
+
+    def run(*flags: str) -> list[dict]:
+        out = subprocess.run(
+            [sys.executable, "-c", LOOPBACK_CHECK, *flags],
+            capture_output=True, text=True, timeout=300, env=env, check=True,
+        )  # fmt: skip
+        return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+    local = run()
+    assert local[0]["var"] == "0"
+    assert local[1]["node"] == "127.0.0.1" and local[1]["gcs"].startswith("127.0.0.1:")
+    joined = run("--ray-address", "10.255.255.1:6379")  # parsed only: nothing is joined
+    assert joined == [{"var": None}]
