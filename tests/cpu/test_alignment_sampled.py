@@ -95,7 +95,8 @@ def _mismatches(fsdp: dict, mega: dict) -> list[str]:
     """Every disagreement between the two backends' outcomes, one line each."""
     out = []
     a, b = fsdp["batch"], mega["batch"]
-    if (a.tokens, a.loss_masks, a.advantages) != (b.tokens, b.loss_masks, b.advantages):
+    fields = ("tokens", "loss_masks", "advantages", "rollout_log_probs")
+    if any(getattr(a, f) != getattr(b, f) for f in fields):
         out.append("the two runs sampled different batches")
     fm, mm = fsdp["metrics"], mega["metrics"]
     keys = sorted(k for k in fm if k.startswith("train/"))
