@@ -145,7 +145,8 @@ def draw(seed: int) -> Case:
     hidden = rng.choice([64, 96, 128])
     head_dim = rng.choice([32, 48])  # vs hidden / heads: equal only by chance
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rng.choice([1e4, 1e6])}
-    if model_type == "llama" and rng.random() < 0.5:
+    llama3 = model_type == "llama" and rng.random() < 0.5
+    if llama3:
         rope = {**LLAMA3_ROPE, "rope_theta": 5e5}
     model = {
         "model_type": model_type,
@@ -159,7 +160,8 @@ def draw(seed: int) -> Case:
         "tie_word_embeddings": rng.random() < 0.5,
         "rms_norm_eps": rng.choice([1e-6, 1e-5]),
         "rope_parameters": rope,
-        "max_position_embeddings": rng.choice([128, 256]),
+        # Past llama3's original 8192 (transformers warns otherwise).
+        "max_position_embeddings": rng.choice([128, 256]) * (128 if llama3 else 1),
         "pad_token_id": PAD_ID if rng.random() < 0.8 else None,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
