@@ -7,6 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
+# Every Ray node a test starts (in this process or in a vime-train it runs) binds to
+# loopback: on Linux Ray swaps 127.0.0.1 for the machine's outward address and its
+# servers listen on all interfaces, unless this (read when ray is first imported) is 0.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 
 @pytest.fixture(scope="module")
 def megatron_world() -> Iterator[None]:

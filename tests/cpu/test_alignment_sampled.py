@@ -41,7 +41,7 @@ pytest.importorskip("megatron.core")
 import ray
 
 from vime.config import flags, parse_args
-from vime.ray.placement import init_local_ray
+from vime.ray.cluster import init_local_ray
 from vime.trainer import Run
 
 # Seeds CI runs, chosen so that together they cover every family (test_ci_seeds_cover_...).
