@@ -46,22 +46,11 @@ def policy_loss(
     ε_lo = ``eps_clip``, ε_hi = ``eps_clip_high`` (default ε_lo), and
     clip(r) = min(max(r, 1 − ε_lo), 1 + ε_hi):
 
-    Ratio (``level="token"``, PPO):
-        rₜ = exp(logpₜ − old_logpₜ)
-
-    Ratio (``level="sequence"``, GSPO), with nᵢ = Σₜ mᵢₜ:
-        sᵢ  = exp( Σₜ mᵢₜ (logpᵢₜ − old_logpᵢₜ) / nᵢ )
-        rᵢₜ = sg(sᵢ) · exp(logpᵢₜ − sg(logpᵢₜ))
-    The value of rᵢₜ is sᵢ and ∂rᵢₜ/∂logpᵢₜ = sᵢ, so under the
-    ``seq-mean-token-mean`` aggregation the loss and its gradient are exactly
-    those of GSPO's sequence objective  Lᵢ = max(−Aᵢ sᵢ, −Aᵢ clip(sᵢ)):
-    ∂Lᵢ/∂logpᵢₜ = −Aᵢ sᵢ / nᵢ when unclipped. (Under ``seq-mean-token-sum``
-    each sequence would count nᵢ times.)
-
-    Loss per token (both levels):
-        ℓ = max(−A·r, −A·clip(r))
-    Dual clip (only with ``eps_clip_c`` = c > 1), for A < 0:
-        ℓ = min(ℓ, −A·c)
+    - ratio, ``level="token"`` (PPO):  rₜ = exp(logpₜ − old_logpₜ)
+    - ratio, ``level="sequence"`` (GSPO, see :func:`_sequence_ratio`), nᵢ = Σₜ mᵢₜ:
+      rᵢₜ = sg(sᵢ) · exp(logpᵢₜ − sg(logpᵢₜ)),  sᵢ = exp(Σₜ mᵢₜ (logpᵢₜ − old_logpᵢₜ) / nᵢ)
+    - loss per token (both levels):  ℓ = max(−A·r, −A·clip(r))
+    - dual clip (only with ``eps_clip_c`` = c > 1), for A < 0:  ℓ = min(ℓ, −A·c)
 
     Masked positions (m = 0) give ℓ = 0 and zero gradient even when the
     log-probs or advantages there are NaN/inf. Log-ratios are clamped to
@@ -78,6 +67,40 @@ def policy_loss(
     On the first update of a rollout (logp == old_logp) r is exactly 1,
     ppo_kl exactly 0 and clipfrac 0, at both levels.
     """
+    advantages, eps_high = _checked_inputs(
+        logp, old_logp, advantages, mask, eps_clip, eps_clip_high, eps_clip_c, level
+    )
+    valid = mask.bool()
+    logp = _masked(logp, valid)
+    log_ratio = logp - _masked(old_logp.detach(), valid)
+    adv = _masked(advantages.detach(), valid)
+    if level == "token":
+        ratio, ppo_kl = _token_ratio(log_ratio)
+    else:
+        ratio, ppo_kl = _sequence_ratio(logp, log_ratio, valid)
+
+    loss, clipfrac = _clipped_loss(adv, ratio, eps_clip, eps_high)
+    metrics = {"clipfrac": clipfrac.to(logp.dtype), "ppo_kl": ppo_kl, "ratio": ratio.detach()}
+    if eps_clip_c is not None:
+        loss, dual = _dual_clipped_loss(loss, adv, eps_clip_c)
+        metrics["dual_clipfrac"] = dual.to(logp.dtype)
+    # The loss is already 0 at masked positions (A was zeroed there, so every
+    # branch is 0); metrics such as ratio are not, hence the mask.
+    return loss, {k: _masked(v.detach(), valid) for k, v in metrics.items()}
+
+
+def _checked_inputs(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None,
+    eps_clip_c: float | None,
+    level: str,
+) -> tuple[torch.Tensor, float]:
+    """``policy_loss``'s arguments checked: the advantages broadcast to ``[B, T]`` and
+    ε_hi (``eps_clip_high``, or ``eps_clip`` when None); ValueError on any misfit."""
     if logp.dim() != 2 or logp.shape != old_logp.shape or logp.shape != mask.shape:
         raise ValueError(
             "logp, old_logp and mask must all be [B, T]; got "
@@ -100,50 +123,63 @@ def policy_loss(
         )
     if eps_clip_c is not None and not eps_clip_c > 1.0:
         raise ValueError(f"dual-clip eps_clip_c must be > 1; got {eps_clip_c}")
+    return advantages, eps_high
 
-    valid = mask.bool()
-    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
 
-    def _masked(x: torch.Tensor) -> torch.Tensor:
-        # torch.where (not x * mask) so NaN/inf at padded positions neither
-        # leaks into the value nor into the gradient.
-        return torch.where(valid, x, zero.to(x.dtype))
+def _masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``x`` where ``valid``, else 0 (in x's dtype).
 
-    logp = _masked(logp)
-    old_logp = _masked(old_logp.detach())
-    adv = _masked(advantages.detach())
-    log_ratio = logp - old_logp
+    torch.where, not x · mask, so NaN/inf at padded positions leaks neither into
+    the value nor into the gradient.
+    """
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
-    if level == "token":
-        ppo_kl = -log_ratio.detach()
-        ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    else:
-        n_tok = valid.sum(dim=1, keepdim=True).clamp(min=1).to(logp.dtype)
-        seq_log_ratio = (log_ratio.sum(dim=1, keepdim=True) / n_tok).detach()
-        ppo_kl = (-seq_log_ratio).expand_as(logp)
-        # logp − sg(logp) is exactly 0 in value, so ratio == sᵢ bit for bit,
-        # while its gradient w.r.t. logpₜ is sᵢ.
-        seq_log_ratio = seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        ratio = torch.exp(seq_log_ratio + logp - logp.detach())
 
+def _token_ratio(log_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token ratio rₜ = exp(logpₜ − old_logpₜ) and ppo_kl = −log rₜ (detached),
+    from the log-ratio ``logp − old_logp``."""
+    ppo_kl = -log_ratio.detach()
+    return torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)), ppo_kl
+
+
+def _sequence_ratio(
+    logp: torch.Tensor, log_ratio: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO's ratio rᵢₜ = sg(sᵢ) · exp(logpᵢₜ − sg(logpᵢₜ)) and ppo_kl = −log sᵢ, both ``[B, T]``.
+
+    With nᵢ = Σₜ mᵢₜ, sᵢ = exp( Σₜ mᵢₜ (logpᵢₜ − old_logpᵢₜ) / nᵢ ) (``log_ratio`` is 0
+    at masked positions). The value of rᵢₜ is sᵢ and ∂rᵢₜ/∂logpᵢₜ = sᵢ, so under the
+    ``seq-mean-token-mean`` aggregation the loss and its gradient are exactly
+    those of GSPO's sequence objective  Lᵢ = max(−Aᵢ sᵢ, −Aᵢ clip(sᵢ)):
+    ∂Lᵢ/∂logpᵢₜ = −Aᵢ sᵢ / nᵢ when unclipped. (Under ``seq-mean-token-sum``
+    each sequence would count nᵢ times.)
+    """
+    n_tok = valid.sum(dim=1, keepdim=True).clamp(min=1).to(logp.dtype)
+    seq_log_ratio = (log_ratio.sum(dim=1, keepdim=True) / n_tok).detach()
+    ppo_kl = (-seq_log_ratio).expand_as(logp)
+    # logp − sg(logp) is exactly 0 in value, so ratio == sᵢ bit for bit,
+    # while its gradient w.r.t. logpₜ is sᵢ.
+    seq_log_ratio = seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(seq_log_ratio + logp - logp.detach()), ppo_kl
+
+
+def _clipped_loss(
+    adv: torch.Tensor, ratio: torch.Tensor, eps_lo: float, eps_hi: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ℓ = max(−A·r, −A·clip(r)) per token, and where the clipped branch is strictly
+    larger (bool, the clip fraction's numerator)."""
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    metrics = {
-        "clipfrac": (clipped > unclipped).to(logp.dtype),
-        "ppo_kl": ppo_kl,
-        "ratio": ratio.detach(),
-    }
+    clipped = -adv * ratio.clamp(1.0 - eps_lo, 1.0 + eps_hi)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
 
-    if eps_clip_c is not None:
-        cap = -adv * eps_clip_c
-        dual = (adv < 0) & (loss > cap)
-        loss = torch.where(dual, cap, loss)
-        metrics["dual_clipfrac"] = dual.to(logp.dtype)
 
-    # The loss is already 0 at masked positions (A was zeroed there, so every
-    # branch is 0); metrics such as ratio are not, hence the mask.
-    return loss, {k: _masked(v.detach()) for k, v in metrics.items()}
+def _dual_clipped_loss(
+    loss: torch.Tensor, adv: torch.Tensor, eps_c: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual clip: ℓ = min(ℓ, −A·c) where A < 0, and where that cap applies (bool)."""
+    cap = -adv * eps_c
+    dual = (adv < 0) & (loss > cap)
+    return torch.where(dual, cap, loss), dual
 
 
 def kl_penalty(
