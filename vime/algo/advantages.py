@@ -56,13 +56,29 @@ def compute_advantages(
     Computed in float64; returned in the dtype of ``rewards`` (the default
     float dtype if ``rewards`` is an integer or bool tensor).
     """
+    _check_arguments(rewards, n_samples_per_prompt, estimator, valid)
+    n = n_samples_per_prompt
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    if valid is not None and not bool(valid.all()):
+        return _without_invalid(rewards, n, estimator, eps, valid.bool()).to(out_dtype)
+    groups = rewards.detach().to(torch.float64).view(-1, n)
+    if estimator == "reinforce_plus_plus_baseline":
+        centered = _group_advantages(groups, "dr_grpo", eps).flatten()
+        return _whiten(centered, eps).to(out_dtype)
+    return _group_advantages(groups, estimator, eps).flatten().to(out_dtype)
+
+
+def _check_arguments(
+    rewards: torch.Tensor, n: int, estimator: str, valid: torch.Tensor | None
+) -> None:
+    """ValueError unless ``compute_advantages`` can take these: a known estimator, 1-D
+    rewards of whole groups of ``n``, and ``valid`` (if given) of the rewards' shape."""
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
             f"unknown advantage estimator {estimator!r}; choose from {ADVANTAGE_ESTIMATORS}"
         )
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
-    n = n_samples_per_prompt
     num = rewards.shape[0]
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise ValueError(f"n_samples_per_prompt must be a positive int; got {n!r}")
@@ -71,23 +87,22 @@ def compute_advantages(
             f"n_samples_per_prompt={n} does not divide the number of rewards N={num}; "
             "rewards must hold whole groups of contiguous samples per prompt"
         )
-    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
-    if valid is not None:
-        if valid.shape != rewards.shape:
-            raise ValueError(
-                f"valid must have the shape of rewards {tuple(rewards.shape)}; "
-                f"got {tuple(valid.shape)}"
-            )
-        if not bool(valid.all()):
-            return _without_invalid(rewards, n, estimator, eps, valid.bool()).to(out_dtype)
+    if valid is not None and valid.shape != rewards.shape:
+        raise ValueError(
+            f"valid must have the shape of rewards {tuple(rewards.shape)}; got {tuple(valid.shape)}"
+        )
 
-    groups = rewards.detach().to(torch.float64).view(-1, n)
+
+def _group_advantages(groups: torch.Tensor, estimator: str, eps: float) -> torch.Tensor:
+    """``grpo``, ``dr_grpo`` or ``rloo`` advantages of float64 ``groups`` ``[G, n]``, one
+    group a row: (r − ḡ) / (σ_g + eps), r − ḡ, or n/(n−1) · (r − ḡ); exact zeros in a
+    group whose rewards are all equal."""
+    n = groups.shape[1]
     # A group with max == min gets exact zeros below; the rounding of a float
     # mean (e.g. 3·0.1 / 3 != 0.1) would otherwise leave ±1e-17 residues that
     # grpo's division by (0 + eps) blows up to ±1e-11.
     flat = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
     centered = groups - groups.mean(dim=1, keepdim=True)
-
     if estimator == "grpo":
         # n == 1 is always `flat`; unbiased std of one value is NaN, so use
         # correction only when n > 1.
@@ -95,18 +110,17 @@ def compute_advantages(
         adv = centered / (std + eps)
     elif estimator == "dr_grpo":
         adv = centered
-    elif estimator == "rloo":
+    else:  # rloo
         adv = centered * (n / (n - 1)) if n > 1 else centered
-    else:  # reinforce_plus_plus_baseline
-        adv = torch.where(flat, torch.zeros_like(centered), centered).flatten()
-        if adv.numel() > 1 and bool(adv.amax() != adv.amin()):
-            adv = (adv - adv.mean()) / (adv.std(correction=1) + eps)
-        else:
-            adv = torch.zeros_like(adv)
-        return adv.to(out_dtype)
+    return torch.where(flat, torch.zeros_like(adv), adv)
 
-    adv = torch.where(flat, torch.zeros_like(adv), adv)
-    return adv.flatten().to(out_dtype)
+
+def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x − x̄) / (σ_x + eps) over all of 1-D ``x``, σ_x Bessel-corrected; exact zeros
+    when all xᵢ are equal or there is only one (``reinforce_plus_plus_baseline``)."""
+    if x.numel() > 1 and bool(x.amax() != x.amin()):
+        return (x - x.mean()) / (x.std(correction=1) + eps)
+    return torch.zeros_like(x)
 
 
 def _without_invalid(
@@ -129,9 +143,5 @@ def _without_invalid(
             out[g, keep[g]] = compute_advantages(kept, kept.numel(), per_group, eps)
     out = out.flatten()
     if estimator == "reinforce_plus_plus_baseline":
-        x = out[valid]
-        if x.numel() > 1 and bool(x.amax() != x.amin()):
-            out[valid] = (x - x.mean()) / (x.std(correction=1) + eps)
-        else:
-            out.zero_()
+        out[valid] = _whiten(out[valid], eps)
     return out
