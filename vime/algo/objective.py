@@ -128,18 +128,61 @@ def micro_batch_loss(
     )
     metrics = MetricAccumulator()
     if config.correction is not None:
-        if rollout_logp is None:
-            raise ValueError(
-                "--use-tis needs the rollout engine's log-probs, and this batch carries none"
-            )
-        weight, correction = correction_weights(old, rollout_logp, mask, config.correction)
+        weight = _correction_weight(old, rollout_logp, mask, config.correction, metrics)
         per_token = per_token * weight
-        metrics.add_tokens("tis_weight_mean", weight, mask)
-        metrics.add_tokens("tis_ratio_mean", correction["ratio"], mask)
-        metrics.add_max("tis_ratio_max", correction["ratio"], mask)
-        flag = "truncated" if config.correction.mode == "truncate" else "masked"
-        metrics.add_tokens(f"tis_{flag}_frac", correction[flag], mask)
     metrics.add_tokens("pg_loss", per_token.detach(), mask)
+    total = _with_penalties(per_token, logp, mask, config, metrics, ref_logp, entropy)
+    for name in ("clipfrac", "ppo_kl"):
+        metrics.add_tokens(name, stats[name], mask)
+    if rollout_logp is not None:
+        diff = (logp.detach() - rollout_logp).abs()
+        metrics.add_tokens("train_rollout_logprob_abs_diff", diff, mask)
+    loss = aggregate_loss(
+        total,
+        mask,
+        config.agg_mode,
+        num_tokens=norm.num_tokens,
+        num_seqs=norm.num_samples,
+        norm_len=config.norm_len,
+    )
+    return loss, metrics
+
+
+def _correction_weight(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor | None,
+    mask: torch.Tensor,
+    correction: RolloutCorrection,
+    metrics: MetricAccumulator,
+) -> torch.Tensor:
+    """The rollout correction's per-token weight w (``vime.algo.correction``), its
+    statistics added to ``metrics``: mean w, mean and max ratio, truncated/masked share."""
+    if rollout_logp is None:
+        raise ValueError(
+            "--use-tis needs the rollout engine's log-probs, and this batch carries none"
+        )
+    weight, stats = correction_weights(old_logp, rollout_logp, mask, correction)
+    metrics.add_tokens("tis_weight_mean", weight, mask)
+    metrics.add_tokens("tis_ratio_mean", stats["ratio"], mask)
+    metrics.add_max("tis_ratio_max", stats["ratio"], mask)
+    flag = "truncated" if correction.mode == "truncate" else "masked"
+    metrics.add_tokens(f"tis_{flag}_frac", stats[flag], mask)
+    return weight
+
+
+def _with_penalties(
+    per_token: torch.Tensor,
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    config: LossConfig,
+    metrics: MetricAccumulator,
+    ref_logp: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> torch.Tensor:
+    """ℓ = pg + kl_coef · kl(logp, ref_logp) − entropy_coef · H, each term only when on.
+
+    Adds ``kl_loss`` to ``metrics`` (0 when KL is off) and ``entropy`` when given.
+    """
     total = per_token
     if config.use_kl:
         if ref_logp is None:
@@ -155,17 +198,4 @@ def micro_batch_loss(
         total = total - config.entropy_coef * entropy
     if entropy is not None:
         metrics.add_tokens("entropy", entropy.detach(), mask)
-    for name in ("clipfrac", "ppo_kl"):
-        metrics.add_tokens(name, stats[name], mask)
-    if rollout_logp is not None:
-        diff = (logp.detach() - rollout_logp).abs()
-        metrics.add_tokens("train_rollout_logprob_abs_diff", diff, mask)
-    loss = aggregate_loss(
-        total,
-        mask,
-        config.agg_mode,
-        num_tokens=norm.num_tokens,
-        num_seqs=norm.num_samples,
-        norm_len=config.norm_len,
-    )
-    return loss, metrics
+    return total
