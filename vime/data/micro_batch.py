@@ -135,73 +135,17 @@ def pack_micro_batch(
     With ``share_prompts`` samples whose prompts are equal share one copy of it
     (module docstring); the ``[B, ...]`` fields keep the order of ``token_ids``.
     """
-    if len(prompt_lengths) != len(token_ids):
-        raise ValueError(f"{len(token_ids)} samples but {len(prompt_lengths)} prompt_lengths")
-    if loss_masks is not None and len(loss_masks) != len(token_ids):
-        raise ValueError(f"{len(token_ids)} samples but {len(loss_masks)} loss_masks")
-    if pad_to_multiple_of < 1:
-        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-    lengths = [len(ids) for ids in token_ids]
-    responses = [n - p for n, p in zip(lengths, prompt_lengths, strict=True)]
-    for i, (n, p) in enumerate(zip(lengths, prompt_lengths, strict=True)):
-        # The first response token is predicted from the last prompt token.
-        if not 1 <= p <= n:
-            raise ValueError(f"sample {i}: need 1 <= prompt_length <= {n} tokens, got {p}")
-    batch_size = len(token_ids)
-    width = max(responses, default=0)
-    if loss_masks is not None:
-        for i, r in enumerate(responses):
-            if len(loss_masks[i]) != r:
-                raise ValueError(
-                    f"sample {i}: loss mask has {len(loss_masks[i])} entries, needs {r}"
-                )
-    # One tensor op over all samples: a slice assignment per sample costs ~10 us each.
-    steps = torch.arange(width)
-    filled = steps < torch.tensor(responses, dtype=torch.long)[:, None]
-    loss_mask = torch.zeros(batch_size, width, dtype=torch.float32)
-    if loss_masks is None:
-        loss_mask[filled] = 1.0
-    else:
-        flat_mask = [float(m) for mask in loss_masks for m in mask]
-        loss_mask[filled] = torch.tensor(flat_mask, dtype=torch.float32)
-    if not torch.all((loss_mask == 0) | (loss_mask == 1)):
-        raise ValueError("loss masks must be 0/1")
-
-    # The row as runs of (sample, first token, tokens): a whole sample, or under
-    # share_prompts the response of a sample whose prompt is already in the row. A
-    # prompt's samples sit together (its first one, then the others): a run that
-    # continues a prompt reads it from the latest run that starts at position 0.
-    owners: dict[tuple[int, ...], list[int]] = {}
-    for i, ids in enumerate(token_ids):
-        key = tuple(ids[: prompt_lengths[i]]) if share_prompts else (i,)
-        owners.setdefault(key, []).append(i)
-    runs: list[tuple[int, int, int]] = []
-    prompt_ends = [0] * batch_size
-    response_starts = [0] * batch_size
-    offset = 0
-    for owner, *others in owners.values():
-        runs.append((owner, 0, lengths[owner]))
-        prompt_ends[owner] = offset + prompt_lengths[owner] - 1
-        response_starts[owner] = offset + prompt_lengths[owner]
-        offset += lengths[owner]
-        for i in others:
-            runs.append((i, prompt_lengths[i], responses[i]))
-            prompt_ends[i] = prompt_ends[owner]
-            response_starts[i] = offset
-            offset += responses[i]
-    shared = any(first > 0 for _, first, _ in runs)
-    used = offset
+    lengths, responses = _checked_lengths(token_ids, prompt_lengths, loss_masks, pad_to_multiple_of)
+    loss_mask = _loss_mask(responses, loss_masks)
+    runs, prompt_ends, response_starts = _row_runs(
+        token_ids, prompt_lengths, lengths, responses, share_prompts
+    )
+    used = sum(n for _, _, n in runs)
     # An empty micro-batch still needs a token to forward (see PackedBatch).
     row = max(used, 1)
     row = -(-row // pad_to_multiple_of) * pad_to_multiple_of
-    # Position = offset inside its own sample: each run restarts at its first token's.
-    positions = [p for _, first, n in runs for p in range(first, first + n)]
-    position_ids = torch.tensor(positions + list(range(row - used)), dtype=torch.long)
-    input_ids = torch.zeros(row, dtype=torch.long)
-    if used:
-        flat = [t for i, first, _ in runs for t in token_ids[i][first:]]
-        input_ids[:used] = torch.tensor(flat, dtype=torch.long)
-    cu_seqlens = torch.zeros(batch_size + 1, dtype=torch.int32)
+    input_ids, position_ids = _row_tensors(token_ids, runs, used, row)
+    cu_seqlens = torch.zeros(len(token_ids) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
     return PackedBatch(
         input_ids=input_ids.unsqueeze(0),
@@ -214,8 +158,106 @@ def pack_micro_batch(
         pad_length=row - used,
         response_starts=torch.tensor(response_starts, dtype=torch.long),
         prompt_ends=torch.tensor(prompt_ends, dtype=torch.long),
-        shares_prompts=shared,
+        shares_prompts=any(first > 0 for _, first, _ in runs),
     )
+
+
+def _checked_lengths(
+    token_ids: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    loss_masks: Sequence[Sequence[int]] | None,
+    pad_to_multiple_of: int,
+) -> tuple[list[int], list[int]]:
+    """Each sample's token count nᵢ and response length rᵢ = nᵢ − pᵢ, after checking that
+    every list has one entry a sample, 1 ≤ pᵢ ≤ nᵢ and each loss mask holds rᵢ entries."""
+    if len(prompt_lengths) != len(token_ids):
+        raise ValueError(f"{len(token_ids)} samples but {len(prompt_lengths)} prompt_lengths")
+    if loss_masks is not None and len(loss_masks) != len(token_ids):
+        raise ValueError(f"{len(token_ids)} samples but {len(loss_masks)} loss_masks")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    lengths = [len(ids) for ids in token_ids]
+    responses = [n - p for n, p in zip(lengths, prompt_lengths, strict=True)]
+    for i, (n, p) in enumerate(zip(lengths, prompt_lengths, strict=True)):
+        # The first response token is predicted from the last prompt token.
+        if not 1 <= p <= n:
+            raise ValueError(f"sample {i}: need 1 <= prompt_length <= {n} tokens, got {p}")
+    if loss_masks is not None:
+        for i, r in enumerate(responses):
+            if len(loss_masks[i]) != r:
+                raise ValueError(
+                    f"sample {i}: loss mask has {len(loss_masks[i])} entries, needs {r}"
+                )
+    return lengths, responses
+
+
+def _loss_mask(responses: list[int], loss_masks: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """The ``[B, T]`` float 0/1 loss mask, T the longest response: ``loss_masks`` (all
+    ones when None) left-aligned, 0 past each response; ValueError on a value not 0/1."""
+    width = max(responses, default=0)
+    # One tensor op over all samples: a slice assignment per sample costs ~10 us each.
+    steps = torch.arange(width)
+    filled = steps < torch.tensor(responses, dtype=torch.long)[:, None]
+    loss_mask = torch.zeros(len(responses), width, dtype=torch.float32)
+    if loss_masks is None:
+        loss_mask[filled] = 1.0
+    else:
+        flat_mask = [float(m) for mask in loss_masks for m in mask]
+        loss_mask[filled] = torch.tensor(flat_mask, dtype=torch.float32)
+    if not torch.all((loss_mask == 0) | (loss_mask == 1)):
+        raise ValueError("loss masks must be 0/1")
+    return loss_mask
+
+
+def _row_runs(
+    token_ids: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    lengths: list[int],
+    responses: list[int],
+    share_prompts: bool,
+) -> tuple[list[tuple[int, int, int]], list[int], list[int]]:
+    """The row as runs of (sample, first token, tokens), with each sample's prompt end
+    and response start in the row.
+
+    A run is a whole sample, or under ``share_prompts`` the response of a sample whose
+    prompt is already in the row. A prompt's samples sit together (its first one, then
+    the others): a run that continues a prompt reads it from the latest run that
+    starts at position 0.
+    """
+    owners: dict[tuple[int, ...], list[int]] = {}
+    for i, ids in enumerate(token_ids):
+        key = tuple(ids[: prompt_lengths[i]]) if share_prompts else (i,)
+        owners.setdefault(key, []).append(i)
+    runs: list[tuple[int, int, int]] = []
+    prompt_ends = [0] * len(token_ids)
+    response_starts = [0] * len(token_ids)
+    offset = 0
+    for owner, *others in owners.values():
+        runs.append((owner, 0, lengths[owner]))
+        prompt_ends[owner] = offset + prompt_lengths[owner] - 1
+        response_starts[owner] = offset + prompt_lengths[owner]
+        offset += lengths[owner]
+        for i in others:
+            runs.append((i, prompt_lengths[i], responses[i]))
+            prompt_ends[i] = prompt_ends[owner]
+            response_starts[i] = offset
+            offset += responses[i]
+    return runs, prompt_ends, response_starts
+
+
+def _row_tensors(
+    token_ids: Sequence[Sequence[int]], runs: list[tuple[int, int, int]], used: int, row: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``position_ids`` ``[row]``: the runs' ``used`` tokens laid end to
+    end, then padding (token 0, positions 0..row-used-1)."""
+    # Position = offset inside its own sample: each run restarts at its first token's.
+    positions = [p for _, first, n in runs for p in range(first, first + n)]
+    position_ids = torch.tensor(positions + list(range(row - used)), dtype=torch.long)
+    input_ids = torch.zeros(row, dtype=torch.long)
+    if used:
+        flat = [t for i, first, _ in runs for t in token_ids[i][first:]]
+        input_ids[:used] = torch.tensor(flat, dtype=torch.long)
+    return input_ids, position_ids
 
 
 TokenStats = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
