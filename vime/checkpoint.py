@@ -144,12 +144,8 @@ def commit_save(
     }
     text = json.dumps(metadata, indent=1)  # fails on unserialisable extra before any I/O
     (partial / METADATA).write_text(text)
-
     # Everything must be on disk before the rename makes the folder "complete".
-    for entry in [*files, {"path": METADATA}]:
-        _fsync_path(partial / entry["path"])
-    for root, _dirs, _names in os.walk(partial, topdown=False):
-        _fsync_path(Path(root))
+    _fsync_folder(partial, files)
 
     # Re-saving an id: the old copy stays complete under `aside` until the new
     # one has its name; latest() and begin_save() put it back if we die between.
@@ -159,7 +155,26 @@ def commit_save(
         os.rename(final, aside)
     os.rename(partial, final)
     _fsync_path(save_dir)
+    _write_tracker(save_dir, rollout_id)
 
+    if aside.exists():
+        shutil.rmtree(aside)
+    if keep_last is not None:
+        _prune(save_dir, rollout_id, keep_last)
+    return final
+
+
+def _fsync_folder(folder: Path, files: list[dict[str, Any]]) -> None:
+    """fsync the listed ``files``, the metadata file, then every folder bottom-up."""
+    for entry in [*files, {"path": METADATA}]:
+        _fsync_path(folder / entry["path"])
+    for root, _dirs, _names in os.walk(folder, topdown=False):
+        _fsync_path(Path(root))
+
+
+def _write_tracker(save_dir: Path, rollout_id: int) -> None:
+    """Point the tracker at ``rollout_id``: write a temporary file, fsync it, replace the
+    tracker atomically, fsync the folder, so a reader sees the old id or the new one."""
     tracker, tmp = save_dir / TRACKER, save_dir / f".{TRACKER}.tmp"
     with open(tmp, "w") as f:
         f.write(str(rollout_id))
@@ -167,12 +182,6 @@ def commit_save(
         os.fsync(f.fileno())
     os.replace(tmp, tracker)
     _fsync_path(save_dir)
-
-    if aside.exists():
-        shutil.rmtree(aside)
-    if keep_last is not None:
-        _prune(save_dir, rollout_id, keep_last)
-    return final
 
 
 def _prune(save_dir: Path, committed: int, keep_last: int) -> None:
