@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 
@@ -23,3 +24,17 @@ def megatron_world() -> Iterator[None]:
     mmodel.init_model_parallel(tp=1, seed=1234)
     yield
     mmodel.destroy_model_parallel()
+
+
+@pytest.fixture
+def local_ray() -> Iterator[ModuleType]:
+    """A fresh two-CPU local Ray around one test, shut down after it even when the test
+    fails; yields the ``ray`` module (the test is skipped where Ray does not import)."""
+    ray = pytest.importorskip("ray")
+    from vime.ray.cluster import init_local_ray
+
+    init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
