@@ -187,10 +187,11 @@ def _build_largest_digit() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
 
 # --- lookup: the answer lives only behind a tool -------------------------------
 # Every key (4 letters of 'abcd', as the reverse task's strings) holds a random value
-# (3 letters of 'wxyz'), so a held-out key's value cannot be learned, only looked up:
+# (8 letters of 'abcd'), so a held-out key's value cannot be learned, only looked up:
 # to the prompt ``get abcd=`` the model calls ``get abcd`` (the plain tool format of
-# ``vime.rollout.tool_loop``), the tool's answer is appended as ``xzw=``, and the
-# model then answers ``xzw``. The label is "<key> <value>".
+# ``vime.rollout.tool_loop``), the tool's answer is appended as ``cadbbada=``, and the
+# model then answers ``cadbbada``: the call and the answer each copy the token 9 back.
+# The label is "<key> <value>".
 
 _LOOKUP_ALPHABET = "abcd"
 _VALUE_ALPHABET = "abcd"
@@ -291,7 +292,7 @@ TASKS: dict[str, Task] = {
         ToolTask(
             name="lookup",
             description="look a key's value up with the get tool: 'get abcd=' -> "
-            "'get abcd', then 'xzw'",
+            "'get abcd', then 'cadbbada'",
             answer_alphabet=_VALUE_ALPHABET,
             right_align=False,
             build=_build_lookup,
