@@ -42,6 +42,12 @@ HOOKS = textwrap.dedent(
     def my_loss(logp, old_logp, advantages, mask, *, eps_clip=0.2, **kwargs):
         return -advantages[:, None] * logp * mask, {}
 
+    def bare_loss(logp, old_logp, advantages, mask):
+        return -advantages[:, None] * logp * mask, {}
+
+    def some_keywords(logp, old_logp, advantages, mask, eps_clip=0.2, level="token"):
+        return -advantages[:, None] * logp * mask, {}
+
     class Holder:
         @staticmethod
         def fn(rewards, n_samples_per_prompt, estimator="grpo", eps=1e-6):
@@ -127,6 +133,16 @@ def test_missing_attribute_and_not_callable(hooks_file):
 def test_signature_mismatch_names_parameters(hooks_file, name, match):
     with pytest.raises(ValueError, match=r"does not match compute_advantages\(.*" + match):
         load_function(f"{hooks_file}:{name}", expected=compute_advantages)
+
+
+def test_keyword_only_parameters_are_checked_by_name(hooks_file):
+    """The trainer passes policy_loss's keyword-only flags by name, so a loss that cannot
+    take them is refused when it loads, not with a TypeError at the first step."""
+    with pytest.raises(ValueError, match=r"\['eps_clip', 'eps_clip_high', 'eps_clip_c', 'level'\]"):
+        load_function(f"{hooks_file}:bare_loss", expected=policy_loss)
+    with pytest.raises(ValueError, match=r"missing or misplaced \['eps_clip_high', 'eps_clip_c'\]"):
+        load_function(f"{hooks_file}:some_keywords", expected=policy_loss)
+    assert load_function(f"{hooks_file}:my_loss", expected=policy_loss).__name__ == "my_loss"
 
 
 def test_signature_not_checked_without_expected(hooks_file):

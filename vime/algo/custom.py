@@ -20,6 +20,9 @@ from types import ModuleType
 
 _FORM = "expected 'module.path:function' or 'path/to/file.py:function'"
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+# Keyword-only parameters the loop passes only to a hook that names them (the rollout
+# manager probes for ``valid``); every other keyword-only one is passed on every call.
+OPTIONAL_KEYWORDS = frozenset({"valid"})
 
 
 def load_function(spec: str, *, expected: Callable | None = None) -> Callable:
@@ -31,8 +34,9 @@ def load_function(spec: str, *, expected: Callable | None = None) -> Callable:
 
     With ``expected`` given, the function must accept the positional
     parameters of ``expected`` by the same names in the same order (a
-    ``*args`` covers any beyond its named ones); parameters it adds must have
-    defaults. Every failure is a ``ValueError`` with a one-line message.
+    ``*args`` covers any beyond its named ones) and its keyword-only ones
+    (``OPTIONAL_KEYWORDS`` aside) by name or ``**kwargs``; parameters it adds
+    must have defaults. Every failure is a ``ValueError`` with a one-line message.
     """
     if not isinstance(spec, str) or spec.count(":") < 1:
         raise ValueError(f"bad function spec {spec!r}: {_FORM}")
@@ -107,6 +111,17 @@ def _check_signature(spec: str, fn: Callable, expected: Callable) -> None:
     # Expected parameter i must be the function's parameter i (callers pass
     # them positionally); past the function's named ones only *args can take it.
     missing = [w for i, w in enumerate(want) if (got[i] != w if i < len(got) else not has_varargs)]
+    # Keyword-only parameters of ``expected`` are passed by name: the function must
+    # take each by that name, or take any keyword (**kwargs).
+    by_name = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    has_varkw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    missing += [
+        p.name
+        for p in inspect.signature(expected).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+        and p.name not in OPTIONAL_KEYWORDS | by_name
+        and not has_varkw
+    ]
     extra = [
         p.name
         for p in params
