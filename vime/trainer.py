@@ -21,6 +21,7 @@ import ray
 
 from vime import perf
 from vime.config.parser import Config
+from vime.config.settings import build_settings
 from vime.config.validate import check_cluster_devices, joins_cluster
 from vime.data.batch import RolloutBatch, TrainSchedule, schedule
 from vime.data.prompts import (
@@ -49,7 +50,7 @@ from vime.rollout.tool_loop import build_agent, check_tool_format
 from vime.rollout.tools import load_tools
 from vime.step_timing import StepTiming
 from vime.tracking import Tracker, default_output_dir, quiet_library_progress_bars
-from vime.weights.lora import LoraSettings, engine_lora
+from vime.weights.lora import engine_lora
 
 EMBEDDED_MODEL_DIR = "embedded_model"
 TRACE_FILE = "trace.json"
@@ -106,6 +107,8 @@ class Run:
         output_dir = args.output_dir or default_output_dir()
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
+        # Each component's settings (what the resolving below changes, none of them reads).
+        self.settings = settings = build_settings(args.replace(output_dir=output_dir))
         self.embedded = args.hf_checkpoint is None
         checkpoint_dir = args.hf_checkpoint or _embedded_checkpoint(output_dir, args.seed)
         self.log(f"vime: model {checkpoint_dir}")
@@ -115,7 +118,7 @@ class Run:
         # Multi-turn rollouts: the tools, shown to the model in its prompts, and read from
         # its turns by --tool-parser, whose fit to the tokenizer is known only now.
         if args.tools:
-            check_tool_format(args, self.tokenizer)
+            check_tool_format(settings.agent, self.tokenizer)
         self.toolbox = load_tools(args.tools) if args.tools else None
         train_prompts, self.prompt_ids, dropped = self._prompts(args, args.prompt_data)
         source = PromptSource(train_prompts, num_epoch=args.num_epoch, seed=args.seed)
@@ -139,9 +142,10 @@ class Run:
             )
             self.dropped["data/eval_prompts_dropped"] = float(eval_dropped)
         self.scorer = build_reward_scorer(
-            args,
+            settings.rewards,
             self.task.reward if self.task else None,
             task_reads_trajectory=bool(self.task and self.task.reads_trajectory),
+            hook_args=args,
         )
         startup.mark("model")  # the checkpoint, the tokenizer, the prompts, the reward
 
@@ -185,7 +189,7 @@ class Run:
             "tiny_model": self.embedded,  # auto gives it the faster engine (resolve_engine)
         }
         lora = engine_lora(
-            LoraSettings.from_args(args),
+            settings.lora,
             args.update_weight_buffer_size,
             args.weight_sync,
             args.vllm_lora,
@@ -230,7 +234,7 @@ class Run:
         # The driver's phases, the reward's among them (timed where the manager calls it).
         clock = PhaseClock()
         self.manager = RolloutManager(
-            args,
+            settings.rollout,
             self.engines,
             self.tokenizer,
             TimedCalls(self.scorer, clock, "reward", ["score_sync"]),
@@ -238,7 +242,7 @@ class Run:
             self.prompt_ids,
             is_correct=self.task.is_correct if self.task else None,
             warn=self.log,
-            agent=build_agent(args, self.tokenizer, self.engines, self.toolbox),
+            agent=build_agent(settings.agent, self.tokenizer, self.engines, self.toolbox),
         )
         pending: list[int] = []
         if self.start_rollout > 0:
@@ -255,15 +259,16 @@ class Run:
         # thread and rollouts take their batches from it.
         self.producer = None
         if args.max_staleness:
-            settings = ProducerSettings.from_args(args, layout.num_engines)
             self.producer = RolloutProducer(
-                settings,
+                ProducerSettings.for_engines(
+                    settings.rollout, args.max_staleness, layout.num_engines
+                ),
                 self.manager,
                 self.engines,
                 weight_version=self.start_rollout,
                 pending=pending,
             )
-        self.transport = make_transport(args, use_gpu, self.train_group, self.engines)
+        self.transport = make_transport(settings.sync, use_gpu, self.train_group, self.engines)
         self.transport.setup()
         startup.mark("other")
         self.timing = StepTiming(
@@ -410,7 +415,7 @@ class Run:
             label_key=args.label_key,
             metadata_key=args.metadata_key,
             seed=args.seed,
-            require_label=reward_needs_label(args),
+            require_label=reward_needs_label(self.settings.rewards),
             apply_chat_template=args.apply_chat_template,
         )
         tools = self.toolbox.schemas if self.toolbox else None

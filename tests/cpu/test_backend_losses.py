@@ -32,8 +32,8 @@ from tiny_models import save_tiny, tiny_qwen3_config
 pytest.importorskip("megatron.core")
 
 from vime.algo.metrics import MetricAccumulator
-from vime.algo.objective import LossConfig
 from vime.config import parse_args
+from vime.config.settings import loss_settings
 from vime.data.batch import RolloutBatch, schedule
 
 CUSTOM_LOSS = """
@@ -202,7 +202,7 @@ def scenario_cases(actor, args, cases: dict, custom: str) -> dict:
     out = {}
     for name, case in cases.items():
         flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
-        actor.loss_config = LossConfig.from_args(parse_args(flags + _flags_of(case, custom)))
+        actor.loss_config = loss_settings(parse_args(flags + _flags_of(case, custom)))
         fresh = schedule(
             make_batch(1), global_batch_size=8, dp_size=actor.world, micro_batch_size=2
         )
@@ -225,7 +225,7 @@ def scenario_geometry(actor, args, cases: dict, custom: str) -> dict:
         for mode in AGG_MODES:
             flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
             flags += ["--loss-agg-mode", mode, "--use-tis", "--entropy-coef", "0.05"]
-            actor.loss_config = LossConfig.from_args(parse_args(flags))
+            actor.loss_config = loss_settings(parse_args(flags))
             for k, geometry in enumerate(GEOMETRIES):
                 sched = schedule(batch, global_batch_size=4, dp_size=actor.world, **geometry)
                 for step in range(2):
@@ -241,7 +241,7 @@ def scenario_proximal(actor, args, cases: dict, custom: str) -> dict:
     rollout) and π_old recomputed by a separate pass first."""
     flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
     flags += ["--use-tis", "--tis-mode", "truncate", "--max-staleness", "2"]
-    actor.loss_config = LossConfig.from_args(parse_args(flags))
+    actor.loss_config = loss_settings(parse_args(flags))
     batch, _ = _stale_batch()
     sched = schedule(batch, global_batch_size=8, dp_size=actor.world, micro_batch_size=2)
     shortcut = _step(actor, sched, 0, None)
@@ -295,7 +295,7 @@ def scenario_multiturn(actor, args, cases: dict, custom: str) -> dict:
     tool = make_multiturn_batch(2)
     for name, case in MULTITURN_CASES.items():
         flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
-        actor.loss_config = LossConfig.from_args(parse_args(flags + case))
+        actor.loss_config = loss_settings(parse_args(flags + case))
 
         def plan(batch):
             return schedule(batch, global_batch_size=8, dp_size=actor.world, micro_batch_size=2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from vime.config import ConfigError, parse_args
+from vime.config.settings import lora_settings
 from vime.weights.lora import LoraSettings
 
 BASE = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
@@ -35,10 +36,10 @@ def test_flags_reach_the_settings() -> None:
             "norm",
         ]
     )
-    settings = LoraSettings.from_args(args)
+    settings = lora_settings(args)
     assert settings == LoraSettings(8, 4.0, 0.1, ("q_proj", "v_proj"), True, ("norm",))
     assert settings.enabled and settings.scale == 0.5
-    default = LoraSettings.from_args(parse_args(BASE))
+    default = lora_settings(parse_args(BASE))
     assert not default.enabled
     assert default.target_modules == (
         "q_proj",

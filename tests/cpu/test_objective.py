@@ -25,6 +25,7 @@ from vime.algo import policy_loss
 from vime.algo.correction import RolloutCorrection
 from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
 from vime.config import flags, parse_args
+from vime.config.settings import loss_settings
 
 D = torch.float64
 CUSTOM = f"{__file__}:halved_loss"
@@ -52,7 +53,7 @@ def _batch(seed: int = 0, b: int = 5, t: int = 6):
 
 
 def _config(*argv: str) -> LossConfig:
-    return LossConfig.from_args(parse_args(["--prompt-data", "builtin:reverse", *argv]))
+    return loss_settings(parse_args(["--prompt-data", "builtin:reverse", *argv]))
 
 
 def _loss_and_grad(config: LossConfig, data: dict, norm: Normalizers | None = None):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from vime.config.parser import parse_args
+from vime.config.rollout_settings import reward_settings, rollout_settings
 from vime.data.prompts import PromptSource, load_prompts, render_prompt
 from vime.data.tasks import CHARSET, get_task
 from vime.models.embedded import load_tokenizer, write_embedded_checkpoint
@@ -63,23 +64,24 @@ def make_manager(checkpoint: str, engines, *, agent_fn=None) -> RolloutManager:
     prompts = load_prompts(args.prompt_data, seed=args.seed)
     ids = {p.index: render_prompt(p.text, tokenizer, False) for p in prompts}
     source = PromptSource(prompts, seed=args.seed)
-    scorer = build_reward_scorer(args, get_task("reverse").reward)
+    scorer = build_reward_scorer(reward_settings(args), get_task("reverse").reward)
     agent = None
     if agent_fn is not None:
         agent = AgentRollouts(agent_fn, engines, args.rollout_max_response_len)
-    return RolloutManager(args, engines, tokenizer, scorer, source, ids, agent=agent)
+    return RolloutManager(
+        rollout_settings(args), engines, tokenizer, scorer, source, ids, agent=agent
+    )
 
 
 def make_producer(
     checkpoint: str, engines, *, state=None, version: int = 0, agent_fn=None
 ) -> RolloutProducer:
     manager = make_manager(checkpoint, engines, agent_fn=agent_fn)
-    args = manager.args
     pending = []
     if state is not None:
         manager.load_state_dict(state)
         pending = state["pending"]
-    settings = ProducerSettings.from_args(args, len(engines.actors))
+    settings = ProducerSettings.for_engines(manager.settings, K, len(engines.actors))
     return RolloutProducer(settings, manager, engines, weight_version=version, pending=pending)
 
 

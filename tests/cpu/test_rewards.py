@@ -29,6 +29,7 @@ import pytest
 
 from vime.algo.custom import load_function
 from vime.config import ConfigError, parse_args
+from vime.config.rollout_settings import reward_settings
 from vime.rollout.rewards import (
     RewardError,
     RewardInput,
@@ -36,6 +37,12 @@ from vime.rollout.rewards import (
     exact_reward,
     reward_needs_label,
 )
+
+
+def _scorer(args, task_reward=None, **kwargs):
+    """The run's scorer for ``args``: its reward settings, the flags handed to a hook."""
+    return build_reward_scorer(reward_settings(args), task_reward, hook_args=args, **kwargs)
+
 
 HOOKS = textwrap.dedent(
     """
@@ -108,7 +115,7 @@ def _samples(*responses: str, groups: list[int] | None = None) -> list[RewardInp
 
 
 def _custom(hooks: str, fn: str, *extra: str):
-    return build_reward_scorer(parse_args(["--custom-rm-path", f"{hooks}:{fn}", *extra]))
+    return _scorer(parse_args(["--custom-rm-path", f"{hooks}:{fn}", *extra]))
 
 
 # ---------------------------------------------------------------- rule-based
@@ -119,16 +126,16 @@ def test_math_exact_and_task_rewards() -> None:
         RewardInput("q", r"so \boxed{1/2}", "0.5", {}, 0),
         RewardInput("q", "it is 3", "4", {}, 0),
     ]
-    math_scorer = build_reward_scorer(parse_args(["--rm-type", "math"]))
+    math_scorer = _scorer(parse_args(["--rm-type", "math"]))
     assert math_scorer.score_sync(samples) == [1.0, 0.0]
     assert exact_reward("  abc\n", "abc") == 1.0 and exact_reward("abd", "abc") == 0.0
-    exact = build_reward_scorer(parse_args(["--rm-type", "exact"]))
+    exact = _scorer(parse_args(["--rm-type", "exact"]))
     assert exact.score_sync([RewardInput("q", " 4 ", 4, {}, 0)]) == [1.0]
     # No --prompt-data means the built-in task: its reward is used when handed over.
-    task = build_reward_scorer(parse_args([]), task_reward=lambda r, label: float(r == label[::-1]))
+    task = _scorer(parse_args([]), task_reward=lambda r, label: float(r == label[::-1]))
     assert task.score_sync([RewardInput("q", "cba", "abc", {}, 0)]) == [1.0]
     with pytest.raises(ConfigError, match="--rm-type math"):
-        build_reward_scorer(parse_args([]))
+        _scorer(parse_args([]))
 
 
 def test_rule_rewards_without_a_label_fail() -> None:
@@ -138,7 +145,7 @@ def test_rule_rewards_without_a_label_fail() -> None:
     assert exact_reward("None", "None") == 1.0  # a real label "None" still matches
     responses = ["None", r"\boxed{None}", "4"]
     for rm_type in ("math", "exact"):
-        scorer = build_reward_scorer(parse_args(["--rm-type", rm_type]))
+        scorer = _scorer(parse_args(["--rm-type", rm_type]))
         samples = [RewardInput("q", r, None, {}, 0) for r in responses]
         assert scorer.score_sync([*samples, RewardInput("q", "4", "4", {}, 0)]) == [
             None,
@@ -150,13 +157,13 @@ def test_rule_rewards_without_a_label_fail() -> None:
         assert scorer.last_failures[0] == (
             "sample 0: the prompt has no label to compare with (see --label-key)"
         )
-    task = build_reward_scorer(parse_args([]), task_reward=lambda r, label: 1.0)
+    task = _scorer(parse_args([]), task_reward=lambda r, label: 1.0)
     assert task.score_sync([RewardInput("q", "x", None, {}, 0)]) == [None]
 
 
 def test_math_scorer_list_labels_and_think_blocks() -> None:
     """A list label is not compared as its text "['72']"; an unfinished think has no answer."""
-    scorer = build_reward_scorer(parse_args(["--rm-type", "math"]))
+    scorer = _scorer(parse_args(["--rm-type", "math"]))
     samples = [
         RewardInput("q", r"\boxed{72}", ["72"], {}, 0),
         RewardInput("q", r"\boxed{72}", ["71", "73"], {}, 0),
@@ -172,11 +179,15 @@ def test_which_rewards_need_a_label(hooks: str, tmp_path) -> None:
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1", "label": "2"}\n')
     file_data = ["--prompt-data", str(data)]
-    assert reward_needs_label(parse_args([*file_data, "--rm-type", "math"]))
-    assert reward_needs_label(parse_args([*file_data, "--rm-type", "exact"]))
-    assert reward_needs_label(parse_args([]))  # the built-in task's reward
-    assert not reward_needs_label(parse_args([*file_data, "--custom-rm-path", f"{hooks}:length"]))
-    assert not reward_needs_label(parse_args([*file_data, "--rm-url", "http://localhost:1/"]))
+    assert reward_needs_label(reward_settings(parse_args([*file_data, "--rm-type", "math"])))
+    assert reward_needs_label(reward_settings(parse_args([*file_data, "--rm-type", "exact"])))
+    assert reward_needs_label(reward_settings(parse_args([])))  # the built-in task's reward
+    assert not reward_needs_label(
+        reward_settings(parse_args([*file_data, "--custom-rm-path", f"{hooks}:length"]))
+    )
+    assert not reward_needs_label(
+        reward_settings(parse_args([*file_data, "--rm-url", "http://localhost:1/"]))
+    )
 
 
 # ---------------------------------------------------------------- custom
@@ -303,7 +314,7 @@ def server():
 
 
 def _remote(url: str, *extra: str):
-    return build_reward_scorer(parse_args(["--rm-url", url, *extra]))
+    return _scorer(parse_args(["--rm-url", url, *extra]))
 
 
 def _url(server, path: str) -> str:

@@ -30,6 +30,7 @@ ones have their own tests): it answers each prompt with fixed responses.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -37,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from vime.config import parse_args
+from vime.config.rollout_settings import reward_settings, rollout_settings
 from vime.data.prompts import PromptSource, load_prompts, render_prompt
 from vime.data.tasks import CHARSET
 from vime.models.embedded import build_tokenizer
@@ -147,10 +149,10 @@ def _setup(
     ids = {p.index: render_prompt(p.text, tokenizer, False) for p in prompts}
     engine = ScriptedEngine(tokenizer, script, texts)
     manager = RolloutManager(
-        args,
+        rollout_settings(args),
         engine,
         tokenizer,
-        build_reward_scorer(args),
+        build_reward_scorer(reward_settings(args)),
         PromptSource(prompts, shuffle=False),
         ids,
         warn=warn or (lambda line: None),
@@ -254,7 +256,7 @@ def test_correction_without_the_engines_log_probs_is_refused(tmp_path, tokenizer
                 for g in real(prompts, params)]  # fmt: skip
 
     engine.generate = without_log_probs
-    manager.args = manager.args.replace(rollout_batch_size=1)
+    manager.settings = dataclasses.replace(manager.settings, batch_size=1)
     with pytest.raises(ConfigError, match="--use-tis weights each token by the engine's log-prob"):
         manager.generate(0)
 
@@ -433,8 +435,8 @@ def test_default_num_rollout_is_what_over_sampling_can_feed(tmp_path, tokenizer)
 
     flags = ["--rm-type", "exact", "--dynamic-sampling-filter", "--over-sampling-factor", "1.5"]
     manager, _ = _setup(tmp_path, tokenizer, [MIXED] * 12, *flags)
-    args = manager.args
-    per_rollout = prompts_per_rollout(args.rollout_batch_size, args.over_sampling_factor)
+    settings = manager.settings
+    per_rollout = prompts_per_rollout(settings.batch_size, settings.over_sampling_factor)
     num_rollout = run_length(manager.source, per_rollout)
     assert (per_rollout, num_rollout) == (3, 4)
     for rollout_id in range(num_rollout):
@@ -453,7 +455,7 @@ def test_num_rollout_the_data_cannot_feed_is_refused(tmp_path, tokenizer) -> Non
 
     flags = ["--rm-type", "exact", "--dynamic-sampling-filter"]
     manager, _ = _setup(tmp_path, tokenizer, [MIXED] * 12, *flags)
-    per_rollout = prompts_per_rollout(2, manager.args.over_sampling_factor)
+    per_rollout = prompts_per_rollout(2, manager.settings.over_sampling_factor)
     assert run_length(manager.source, per_rollout, requested=4) == 4
     with pytest.raises(ConfigError, match=r"--num-rollout 5 needs 15 prompts .* hold 12;"):
         run_length(manager.source, per_rollout, requested=5)

@@ -23,6 +23,7 @@ from tiny_models import save_tiny, tiny_qwen3_config
 from vime.backends.registry import resolve
 from vime.config import build_parser, parse_args
 from vime.config.flags import WEIGHT_SYNC_TRANSPORTS
+from vime.config.settings import sync_settings
 from vime.ray import transport_names, transports
 from vime.rollout import registry
 
@@ -126,7 +127,9 @@ def test_unknown_transport_fails_in_one_line_naming_the_choices() -> None:
 
 
 def test_a_transport_takes_its_own_frozen_settings(tmp_path: Path) -> None:
-    args = parse_args(["--update-weight-buffer-size", "4096", "--output-dir", str(tmp_path)])
+    args = sync_settings(
+        parse_args(["--update-weight-buffer-size", "4096", "--output-dir", str(tmp_path)])
+    )
     expected = {
         "object-store": transports.BucketSettings(4096),
         "broadcast": transports.BroadcastSettings(4096, "gloo"),

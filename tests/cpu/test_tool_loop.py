@@ -24,12 +24,14 @@ import pytest
 from chat_fixtures import TOOLS_PY, chat_tokenizer
 
 from vime.config import parse_args
+from vime.config.rollout_settings import agent_settings
 from vime.data.prompts import Prompt
 from vime.data.tasks import CHARSET, LOOKUP_TOOLS, _lookup_table
 from vime.errors import ConfigError
 from vime.models.embedded import EOS_ID, build_tokenizer
 from vime.rollout import tools
 from vime.rollout.agent import CALLS_PER_SAMPLE, AgentRollouts
+from vime.rollout.settings import ToolSettings
 from vime.rollout.tool_loop import (
     ChatFormat,
     PlainFormat,
@@ -39,7 +41,7 @@ from vime.rollout.tool_loop import (
     check_tool_format,
     tool_format,
 )
-from vime.rollout.tools import ParseError, Toolbox, ToolCall, ToolSettings, load_tools
+from vime.rollout.tools import ParseError, Toolbox, ToolCall, load_tools
 from vime.rollout.types import Completion, SamplingParams
 
 
@@ -284,17 +286,23 @@ def test_build_agent_refusals_and_choices(chat, chars, tmp_path: Path) -> None:
         "template; add --apply-chat-template"
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(template)}$"):
-        build_agent(args, chat, None, box)
-    assert isinstance(build_agent(args, chars, None, box).fn, ToolLoop)
+        build_agent(agent_settings(args), chat, None, box)
+    assert isinstance(build_agent(agent_settings(args), chars, None, box).fn, ToolLoop)
     limits = ["--max-turns", "3", "--tool-timeout", "2.5", "--tool-max-output-tokens", "5"]
     tuned = parse_args(["--tools", "vime.data.tasks:LOOKUP_TOOLS", *limits])
-    assert build_agent(tuned, chars, None, box).fn.settings == ToolLoopSettings(
+    assert build_agent(agent_settings(tuned), chars, None, box).fn.settings == ToolLoopSettings(
         3, ToolSettings(2.5, 5)
     )
-    assert build_agent(tuned, chars, None, box).budget == tuned.rollout_max_response_len
-    assert build_agent(parse_args([]), chars, None, None) is None
+    assert (
+        build_agent(agent_settings(tuned), chars, None, box).budget
+        == tuned.rollout_max_response_len
+    )
+    assert build_agent(agent_settings(parse_args([])), chars, None, None) is None
     custom = build_agent(
-        parse_args(["--custom-generate-function-path", f"{path}:gen"]), chars, None, None
+        agent_settings(parse_args(["--custom-generate-function-path", f"{path}:gen"])),
+        chars,
+        None,
+        None,
     )
     assert custom.fn.__name__ == "gen"
     box.close()
@@ -385,7 +393,7 @@ def test_auto_picks_and_reads_every_turn_as_before(chat, chars, box, tools_spec)
         # The run's loop (the flag's default, through build_agent) makes the same choice.
         args = _args(tools_spec, *(["--apply-chat-template"] if template else []))
         assert args.tool_parser == "auto"
-        assert type(build_agent(args, tok, None, box).fn.format) is type(fmt)
+        assert type(build_agent(agent_settings(args), tok, None, box).fn.format) is type(fmt)
 
 
 def _args(spec: str, *extra: str):
@@ -409,7 +417,7 @@ def test_the_tool_parser_flag_reaches_the_loop(
     form runs the tool, the other's is the final answer (ignored, auto would run both)."""
     ckpt = ["--hf-checkpoint", str(tmp_path), "--apply-chat-template"]
     args = _args(tools_spec, *ckpt, "--tool-parser", parser)
-    loop = build_agent(args, chat, None, box).fn
+    loop = build_agent(agent_settings(args), chat, None, box).fn
     assert loop.settings.parser == parser and isinstance(loop.format, ChatFormat)
     eot = chat.convert_tokens_to_ids("<|im_end|>")
     engine = ScriptedEngine(chat, [[own, "5."], [other, "5."]], eot)
@@ -425,8 +433,10 @@ def test_plain_parser_reads_a_chat_model_as_raw_text(chat, box, tools_spec, tmp_
     answer follows as text then ``=``, no template turn."""
     ckpt = ["--hf-checkpoint", str(tmp_path)]
     with pytest.raises(ConfigError, match=r"its chat template; add --apply-chat-template$"):
-        build_agent(_args(tools_spec, *ckpt), chat, None, box)
-    loop = build_agent(_args(tools_spec, *ckpt, "--tool-parser", "plain"), chat, None, box).fn
+        build_agent(agent_settings(_args(tools_spec, *ckpt)), chat, None, box)
+    loop = build_agent(
+        agent_settings(_args(tools_spec, *ckpt, "--tool-parser", "plain")), chat, None, box
+    ).fn
     assert isinstance(loop.format, PlainFormat)
     eot = chat.convert_tokens_to_ids("<|im_end|>")
     engine = ScriptedEngine(chat, [["lookup pi", "3.14159"]], eot)
@@ -497,4 +507,4 @@ def test_a_chat_parser_without_a_template_is_refused_at_run_start(chars, tools_s
         "--tool-parser plain, without --apply-chat-template"
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(line)}$"):
-        check_tool_format(args, chars)
+        check_tool_format(agent_settings(args), chars)

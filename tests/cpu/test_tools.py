@@ -28,6 +28,7 @@ from chat_fixtures import TOOLS_PY, chat_tokenizer
 
 from vime.backends.registry import resolve
 from vime.errors import ConfigError
+from vime.rollout.settings import ToolSettings
 from vime.rollout.tool_parsers import PARSERS, get_tool_parser, tool_parser_choices
 from vime.rollout.tool_turns import (
     TRUNCATED,
@@ -40,7 +41,6 @@ from vime.rollout.tools import (
     Toolbox,
     ToolCall,
     ToolResult,
-    ToolSettings,
     load_tools,
     parse_tool_calls,
 )

@@ -49,6 +49,7 @@ import pytest
 
 from vime.checkpoint import TRACKER, iteration_dir
 from vime.config.parser import parse_args
+from vime.config.settings import sync_settings
 from vime.data.batch import RolloutBatch, schedule
 from vime.perf import safetensors_shapes
 from vime.ray.transports import weight_transport
@@ -532,7 +533,7 @@ def test_auto_weight_transport_fits_the_placement(flags, use_gpu, expected) -> N
     """auto: CUDA IPC to colocated engines, NCCL to one-GPU engines on GPUs of their own,
     the object store on the CPU and to tensor-parallel engines (their actors hold no GPU
     to receive on); an explicit choice stands (validated elsewhere)."""
-    assert weight_transport(parse_args(flags), use_gpu) == expected
+    assert weight_transport(sync_settings(parse_args(flags)), use_gpu) == expected
 
 
 def test_colocated_turns_share_a_device_with_weights_only() -> None:

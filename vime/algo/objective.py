@@ -31,14 +31,14 @@ import torch
 
 from vime.algo.aggregation import aggregate_loss
 from vime.algo.correction import RolloutCorrection, correction_weights
-from vime.algo.custom import load_function
 from vime.algo.losses import kl_penalty, policy_loss
 from vime.algo.metrics import MetricAccumulator
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The loss settings of a run, built once from the parsed flags by ``from_args``.
+    """The loss settings of a run, built once from the parsed flags by
+    ``vime.config.settings.loss_settings``.
 
     ``correction`` is the rollout correction (``--use-tis``; None: off); ``norm_len``
     the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO).
@@ -56,32 +56,6 @@ class LossConfig:
     agg_mode: str = "token-mean"
     norm_len: int | None = None
     policy_loss_fn: Callable[..., Any] = field(default=policy_loss, compare=False)
-
-    @classmethod
-    def from_args(cls, args: Any) -> LossConfig:
-        """The settings the parsed flags ask for, the custom policy loss imported."""
-        policy_loss_fn = policy_loss
-        if args.custom_loss_function_path:
-            policy_loss_fn = load_function(args.custom_loss_function_path, expected=policy_loss)
-        correction = None
-        if args.use_tis:
-            correction = RolloutCorrection(
-                level=args.tis_level, mode=args.tis_mode, high=args.tis_clip, low=args.tis_clip_low
-            )
-        return cls(
-            eps_clip=args.eps_clip,
-            eps_clip_high=args.eps_clip_high,
-            eps_clip_c=args.eps_clip_c,
-            level=args.policy_loss_level,
-            correction=correction,
-            use_kl=args.use_kl_loss,
-            kl_coef=args.kl_loss_coef,
-            kl_type=args.kl_loss_type or "low_var_kl",
-            entropy_coef=args.entropy_coef,
-            agg_mode=args.loss_agg_mode,
-            norm_len=args.loss_agg_norm_len or args.rollout_max_response_len,
-            policy_loss_fn=policy_loss_fn,
-        )
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,10 @@ import torch.distributed as dist
 from vime import checkpoint
 from vime import device as vime_device
 from vime.algo.metrics import MetricAccumulator
-from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
+from vime.algo.objective import Normalizers, micro_batch_loss
 from vime.backends.base import TRAIN_MEMORY_TAGS, TrainActor, train_tags
 from vime.backends.optim import LRSchedule, StepResult, optimizer_step, param_groups
+from vime.config.settings import loss_settings
 from vime.data.batch import TrainSchedule, pad_rows
 from vime.data.micro_batch import response_log_probs
 from vime.device import HostStash
@@ -135,7 +136,7 @@ class PolicyTrainActor(TrainActor):
             warmup_samples=args.lr_warmup_samples,
             total_samples=(args.num_rollout or 1) * samples_per_rollout,
         )
-        self.loss_config = LossConfig.from_args(args)
+        self.loss_config = loss_settings(args)
         self.samples_consumed = 0
         self.optimizer_steps = 0
         self.skipped_steps = 0

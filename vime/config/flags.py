@@ -18,6 +18,7 @@ from vime.config.lora_flags import add_lora_flags
 from vime.ray import transport_names
 from vime.rollout import registry as engine_registry
 from vime.rollout import tool_parsers
+from vime.rollout.settings import ToolLoopSettings, ToolSettings
 
 # The engines' names and their own flags come from vime.rollout.registry, the weight
 # transports' names from vime.ray.transport_names (neither imports torch or Ray).
@@ -635,7 +636,7 @@ def _agent(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--max-turns",
         type=positive_int,
-        default=4,
+        default=ToolLoopSettings.max_turns,
         help="--tools: model turns per trajectory at most (one that still calls a tool "
         "is cut there)",
     )
@@ -651,14 +652,14 @@ def _agent(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--tool-timeout",
         type=float,
-        default=30.0,
+        default=ToolSettings.timeout_s,
         metavar="SECONDS",
         help="--tools: a call running longer becomes an error the model reads",
     )
     p.add_argument(
         "--tool-max-output-tokens",
         type=positive_int,
-        default=256,
+        default=ToolSettings.max_output_tokens,
         help="--tools: a tool's answer is cut to this many tokens before the model sees it",
     )
 

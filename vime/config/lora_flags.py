@@ -17,6 +17,7 @@ from vime.errors import ConfigError
 # Every linear projection of a decoder block, as the HF families vime runs name them.
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_ALPHA = 32.0
+DEFAULT_DROPOUT = 0.0
 
 
 def module_names(text: str) -> tuple[str, ...]:
@@ -44,7 +45,7 @@ def add_lora_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--lora-dropout",
         type=float,
-        default=0.0,
+        default=DEFAULT_DROPOUT,
         help="dropout on the adapters' input in the update's forward (not in log-prob passes)",
     )
     p.add_argument(
@@ -81,7 +82,7 @@ def check_lora(args: argparse.Namespace) -> None:
             flag
             for flag, value, default in (
                 ("--lora-alpha", args.lora_alpha, DEFAULT_ALPHA),
-                ("--lora-dropout", args.lora_dropout, 0.0),
+                ("--lora-dropout", args.lora_dropout, DEFAULT_DROPOUT),
                 ("--lora-target-modules", args.lora_target_modules, DEFAULT_TARGETS),
                 ("--lora-modules-to-save", tuple(args.lora_modules_to_save), ()),
                 ("--lora-merge-on-sync", args.lora_merge_on_sync, False),

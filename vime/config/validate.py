@@ -440,9 +440,9 @@ def _check_agent(args: argparse.Namespace) -> None:
         )
     _check_tool_parser(args)
     if args.tools is not None:
-        from vime.rollout.tool_loop import ToolLoopSettings  # imports torch: only here
+        from vime.config.rollout_settings import tool_loop_settings
 
-        ToolLoopSettings.from_args(args)  # the loop's limits, checked at parse time
+        tool_loop_settings(args)  # the loop's limits, checked at parse time
         from vime.rollout.tools import load_tools
 
         load_tools(args.tools).close()
@@ -492,9 +492,9 @@ def _check_tool_parser(args: argparse.Namespace) -> None:
 
 def _check_rewards(args: argparse.Namespace) -> None:
     """Pick the reward now (and import --custom-rm-path), so a broken one fails at start-up."""
-    from vime.rollout.rewards import check_reward_args  # deferred: --help does without it
+    from vime.config.rollout_settings import check_rewards  # deferred: --help does without it
 
-    check_reward_args(args)
+    check_rewards(args)
 
 
 def _check_optimizer(args: argparse.Namespace) -> None:

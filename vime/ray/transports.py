@@ -13,7 +13,8 @@ Each class holds the three parts of one transport, each run in its own process:
   ``open_receiver`` where the transport keeps something on the engine.
 
 The tensors are moved by ``vime.weights.transports`` (no Ray there). A transport
-takes its own small frozen settings, never the run's flags. Adding one: its name and
+takes its own small frozen settings (``settings_from`` the run's ``SyncSettings``),
+never the run's flags. Adding one: its name and
 description in ``vime.ray.transport_names`` (``--weight-sync``'s choices), a class
 here and its entry in ``TRANSPORTS``.
 """
@@ -28,6 +29,20 @@ from typing import Any, ClassVar, Protocol
 import ray
 
 from vime.ray.errors import wait_all
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """What a run's weight sync is made from (built from the flags by ``vime.config``):
+    ``--weight-sync`` (a transport or ``auto``), ``--update-weight-buffer-size``, whether
+    the engines share the training GPUs (``--colocate``), GPUs per engine, and the run's
+    output folder (where the ``disk`` transport writes)."""
+
+    weight_sync: str
+    bucket_bytes: int
+    colocate: bool
+    gpus_per_engine: int
+    output_dir: str
 
 
 @dataclass(frozen=True)
@@ -80,9 +95,9 @@ class WeightTransport:
         self.settings, self.train_group, self.engines = settings, train_group, engines
 
     @classmethod
-    def settings_from(cls, args: Any, use_gpu: bool) -> Any:
-        """This transport's settings, from the run's flags."""
-        return BucketSettings(args.update_weight_buffer_size)
+    def settings_from(cls, sync: SyncSettings, use_gpu: bool) -> Any:
+        """This transport's own settings, from the run's."""
+        return BucketSettings(sync.bucket_bytes)
 
     # --- the driver ---
 
@@ -164,8 +179,8 @@ class BroadcastTransport(WeightTransport):
     settings: BroadcastSettings
 
     @classmethod
-    def settings_from(cls, args: Any, use_gpu: bool) -> BroadcastSettings:
-        return BroadcastSettings(args.update_weight_buffer_size, "nccl" if use_gpu else "gloo")
+    def settings_from(cls, sync: SyncSettings, use_gpu: bool) -> BroadcastSettings:
+        return BroadcastSettings(sync.bucket_bytes, "nccl" if use_gpu else "gloo")
 
     def setup(self) -> None:
         """Form the group: rank 0's address, then every member joins at once."""
@@ -261,8 +276,8 @@ class DiskTransport(WeightTransport):
     settings: DiskSettings
 
     @classmethod
-    def settings_from(cls, args: Any, use_gpu: bool) -> DiskSettings:
-        return DiskSettings(os.path.join(args.output_dir, "weight_sync"))
+    def settings_from(cls, sync: SyncSettings, use_gpu: bool) -> DiskSettings:
+        return DiskSettings(os.path.join(sync.output_dir, "weight_sync"))
 
     def sync(self, version: int) -> list[int]:
         folder = self.settings.folder
@@ -298,21 +313,23 @@ def transport_class(name: str) -> type[WeightTransport]:
         ) from None
 
 
-def weight_transport(args: Any, use_gpu: bool) -> str:
+def weight_transport(sync: SyncSettings, use_gpu: bool) -> str:
     """The weight transport: as asked (validated), or for ``auto``: CUDA IPC where every
     engine shares its GPU with the training rank it reads from, an NCCL broadcast to
     one-GPU engines on GPUs of their own, else the Ray object store."""
-    if args.weight_sync != "auto":
-        return args.weight_sync
-    if use_gpu and args.rollout_num_gpus_per_engine == 1:
+    if sync.weight_sync != "auto":
+        return sync.weight_sync
+    if use_gpu and sync.gpus_per_engine == 1:
         # NCCL takes one rank per GPU: colocated engines share the training ranks' GPUs.
-        return "cuda-ipc" if args.colocate else "broadcast"
+        return "cuda-ipc" if sync.colocate else "broadcast"
     # CPU, or tensor-parallel engines, whose actors hold no GPU to receive on (vLLM's
     # workers hold them): through host memory.
     return "object-store"
 
 
-def make_transport(args: Any, use_gpu: bool, train_group: Any, engines: Any) -> WeightTransport:
+def make_transport(
+    sync: SyncSettings, use_gpu: bool, train_group: Any, engines: Any
+) -> WeightTransport:
     """The run's transport (``--weight-sync``, ``auto`` resolved), not set up yet."""
-    cls = transport_class(weight_transport(args, use_gpu))
-    return cls(cls.settings_from(args, use_gpu), train_group, engines)
+    cls = transport_class(weight_transport(sync, use_gpu))
+    return cls(cls.settings_from(sync, use_gpu), train_group, engines)

@@ -47,6 +47,7 @@ from vime.errors import ConfigError
 from vime.rollout.agent import AgentRollouts
 from vime.rollout.decoding import decode_turns, stop_token_ids
 from vime.rollout.rewards import RewardInput, RewardScorer
+from vime.rollout.settings import RolloutSettings
 from vime.rollout.tools import ERROR_KINDS
 from vime.rollout.types import Completion, SamplingParams
 
@@ -75,7 +76,7 @@ class RolloutManager:
 
     def __init__(
         self,
-        args: Any,
+        settings: RolloutSettings,
         engines: Any,
         tokenizer: Any,
         scorer: RewardScorer,
@@ -88,7 +89,7 @@ class RolloutManager:
     ) -> None:
         """``agent``: multi-turn trajectories (``--tools`` or a custom generate function)
         in place of one engine call per prompt."""
-        self.args = args
+        self.settings = settings
         self.engines = engines
         self.tokenizer = tokenizer
         self.scorer = scorer
@@ -97,11 +98,13 @@ class RolloutManager:
         self.is_correct = is_correct
         self.warn = warn
         self.agent = agent
-        self.stop_token_ids = stop_token_ids(args.rollout_stop_token_ids, tokenizer.eos_token_id)
+        self.stop_token_ids = stop_token_ids(
+            settings.sampling.stop_token_ids, tokenizer.eos_token_id
+        )
         self.advantage_fn = compute_advantages
-        if args.custom_advantage_function_path:
+        if settings.custom_advantage_function_path:
             self.advantage_fn = load_function(
-                args.custom_advantage_function_path, expected=compute_advantages
+                settings.custom_advantage_function_path, expected=compute_advantages
             )
         self._takes_valid = "valid" in inspect.signature(self.advantage_fn).parameters
         self._score_lock = threading.Lock()
@@ -110,8 +113,8 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float]]:
         """One rollout: ``rollout_batch_size`` groups, scored, with advantages."""
-        args = self.args
-        want = args.rollout_batch_size
+        settings = self.settings
+        want = settings.batch_size
         start = time.perf_counter()
         kept: list[_Group] = []
         agreeing: list[_Group] = []
@@ -120,17 +123,18 @@ class RolloutManager:
         failures = 0
         while len(kept) < want:
             if rounds > 0 and (
-                not args.dynamic_sampling_filter or rounds >= args.dynamic_sampling_max_rounds
+                not settings.dynamic_sampling_filter
+                or rounds >= settings.dynamic_sampling_max_rounds
             ):
                 break
             if self.source.exhausted:
                 break
             ask = want - len(kept)
-            if args.dynamic_sampling_filter:
-                ask = math.ceil(ask * args.over_sampling_factor)
+            if settings.dynamic_sampling_filter:
+                ask = math.ceil(ask * settings.over_sampling_factor)
             prompts = self.source.next_batch(ask)
             drawn += len(prompts)
-            groups = self._sample(prompts, rollout_seed(args.seed, rollout_id, rounds))
+            groups = self._sample(prompts, rollout_seed(settings.seed, rollout_id, rounds))
             # The scorer describes its latest call only: report each round's failures.
             warning = self.scorer.failure_warning()
             if warning:
@@ -140,7 +144,7 @@ class RolloutManager:
             for group in groups:
                 generated_tokens += sum(c.generated for c in group.completions)
                 failures += sum(r is None for r in group.rewards)
-                if args.dynamic_sampling_filter and _all_agree(group.rewards):
+                if settings.dynamic_sampling_filter and _all_agree(group.rewards):
                     agreeing.append(group)
                 elif len(kept) < want:
                     kept.append(group)
@@ -156,7 +160,7 @@ class RolloutManager:
         metrics = self.batch_metrics(kept, failures=failures, drawn=drawn)
         metrics["perf/rollout_time_s"] = elapsed
         metrics["perf/rollout_tokens_per_s"] = generated_tokens / max(elapsed, 1e-9)
-        if args.dynamic_sampling_filter:
+        if settings.dynamic_sampling_filter:
             metrics["rollout/groups_filtered"] = float(len(agreeing) - max(0, short))
             metrics["rollout/groups_short"] = float(max(0, short))
             metrics["rollout/groups_surplus"] = float(surplus)
@@ -198,13 +202,13 @@ class RolloutManager:
 
     def sampling_params(self, seed: int) -> SamplingParams:
         """The training rollouts' sampling settings, drawn with ``seed``."""
-        args = self.args
+        sampling = self.settings.sampling
         return SamplingParams(
-            n=args.n_samples_per_prompt,
-            temperature=args.rollout_temperature,
-            top_p=args.rollout_top_p,
-            top_k=args.rollout_top_k,
-            max_new_tokens=args.rollout_max_response_len,
+            n=sampling.n_samples_per_prompt,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_new_tokens=sampling.max_response_len,
             stop_token_ids=self.stop_token_ids,
             seed=seed,
         )
@@ -275,7 +279,7 @@ class RolloutManager:
 
     def to_batch(self, groups: list[_Group]) -> RolloutBatch:
         """The groups as the token-level batch training takes, advantages computed."""
-        n = self.args.n_samples_per_prompt
+        n = self.settings.sampling.n_samples_per_prompt
         rewards = []
         for group in groups:
             valid = [r for r in group.rewards if r is not None]
@@ -286,13 +290,18 @@ class RolloutManager:
         scored = torch.tensor([r is not None for g in groups for r in g.rewards])
         extra = {"valid": scored} if self._takes_valid else {}
         advantages = self.advantage_fn(
-            torch.tensor(rewards, dtype=torch.float64), n, self.args.advantage_estimator, **extra
+            torch.tensor(rewards, dtype=torch.float64),
+            n,
+            self.settings.advantage_estimator,
+            **extra,
         ).tolist()
         tokens, prompt_lengths, masks, logps, advs = [], [], [], [], []
         i = 0
         for group in groups:
             for completion, reward in zip(group.completions, group.rewards, strict=True):
-                if self.args.use_tis and len(completion.log_probs) != len(completion.response_ids):
+                if self.settings.use_tis and len(completion.log_probs) != len(
+                    completion.response_ids
+                ):
                     raise ConfigError(
                         "--use-tis weights each token by the engine's log-prob, and the engine "
                         f"returned {len(completion.log_probs)} log-probs for a response of "
@@ -316,15 +325,16 @@ class RolloutManager:
 
     def evaluate(self, prompts: Sequence[Prompt], prompt_ids: dict[int, list[int]]) -> dict:
         """Mean reward and pass@1 on held-out prompts; nothing is trained."""
-        args = self.args
+        sampling = self.settings.sampling
+        greedy = sampling.eval_temperature == 0
         params = SamplingParams(
-            n=args.eval_n_samples_per_prompt,
-            temperature=args.eval_temperature,
-            top_p=1.0 if args.eval_temperature == 0 else args.rollout_top_p,
-            top_k=-1 if args.eval_temperature == 0 else args.rollout_top_k,
-            max_new_tokens=args.rollout_max_response_len,
+            n=sampling.eval_n_samples_per_prompt,
+            temperature=sampling.eval_temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=-1 if greedy else sampling.top_k,
+            max_new_tokens=sampling.max_response_len,
             stop_token_ids=self.stop_token_ids,
-            seed=rollout_seed(args.seed, -1),
+            seed=rollout_seed(self.settings.seed, -1),
         )
         # Its own id table, never swapped in: the asynchronous producer reads the training
         # one from its thread meanwhile.

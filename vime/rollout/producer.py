@@ -38,7 +38,13 @@ import ray
 from vime.data.batch import RolloutBatch
 from vime.data.prompts import Prompt
 from vime.ray.errors import wait_all
-from vime.rollout.manager import DataExhausted, RolloutManager, _all_agree, rollout_seed
+from vime.rollout.manager import (
+    DataExhausted,
+    RolloutManager,
+    _all_agree,
+    rollout_seed,
+)
+from vime.rollout.settings import RolloutSettings
 from vime.rollout.staleness import Admission, ReadyGroups
 
 # How long the producer's thread waits for an engine call before it looks again for
@@ -53,20 +59,23 @@ class ProducerSettings:
     batch_size: int  # groups a rollout trains (--rollout-batch-size)
     max_staleness: int  # K >= 1
     groups_per_call: int  # prompts per engine call
+    dynamic_sampling_filter: bool
+    seed: int
     calls_per_engine: int = 2  # one generating, one queued behind it: the engine never waits
-    dynamic_sampling_filter: bool = False
-    seed: int = 0
 
     @classmethod
-    def from_args(cls, args: Any, num_engines: int) -> ProducerSettings:
-        per_engine = math.ceil(args.rollout_batch_size / max(1, num_engines))
+    def for_engines(
+        cls, rollout: RolloutSettings, max_staleness: int, num_engines: int
+    ) -> ProducerSettings:
+        """The producer of a run with ``rollout``'s batches over ``num_engines`` engines."""
+        per_engine = math.ceil(rollout.batch_size / max(1, num_engines))
         return cls(
-            batch_size=args.rollout_batch_size,
-            max_staleness=args.max_staleness,
+            batch_size=rollout.batch_size,
+            max_staleness=max_staleness,
             # Two calls per engine per rollout's share: admission every half rollout.
             groups_per_call=max(1, math.ceil(per_engine / 2)),
-            dynamic_sampling_filter=args.dynamic_sampling_filter,
-            seed=args.seed,
+            dynamic_sampling_filter=rollout.dynamic_sampling_filter,
+            seed=rollout.seed,
         )
 
 

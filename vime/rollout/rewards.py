@@ -3,9 +3,10 @@
 Where it fits: the rollout manager decodes each completion into a
 :class:`RewardInput` and awaits :meth:`RewardScorer.score` once per rollout;
 advantages are computed from what comes back. The scorer is picked once from
-the flags by :func:`build_reward_scorer`; config validation calls
-:func:`check_reward_args` first, so a missing or broken choice fails at
-start-up, not after the first generation. In order of precedence:
+its settings (:class:`RewardSettings`, built from the flags in ``vime.config``) by
+:func:`build_reward_scorer`; config validation picks it first, so a missing or
+broken choice fails at start-up, not after the first generation. In order of
+precedence:
 
 ``--rm-url URL``
     POST ``{"prompt", "response", "label", "metadata", "trajectory"}`` (JSON) per sample;
@@ -48,7 +49,6 @@ import json
 import math
 import numbers
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -61,7 +61,6 @@ MAX_CONCURRENCY = 32  # reward calls in flight at once (threads, requests)
 MAX_KEPT_FAILURES = 5
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
-_BUILTIN_DATA_PREFIX = "builtin:"
 _NO_LABEL = "the prompt has no label to compare with (see --label-key)"
 
 TaskReward = Callable[[str, Any], float]
@@ -91,6 +90,22 @@ class RewardError(Exception):
     """A sample (or group) could not be scored; the message says why."""
 
 
+@dataclass(frozen=True)
+class RewardSettings:
+    """The reward the flags pick (``--rm-*``, ``--custom-rm-path``, ``--group-rm``).
+
+    ``task_data``: the prompts are a built-in task's, which brings its own reward.
+    """
+
+    rm_type: str | None
+    url: str | None
+    custom_path: str | None
+    group: bool
+    timeout_s: float
+    max_retries: int
+    task_data: bool
+
+
 def exact_reward(response: str, label: Any) -> float:
     """1.0 when ``response`` equals ``label`` up to surrounding whitespace, else 0.0.
 
@@ -104,14 +119,16 @@ def exact_reward(response: str, label: Any) -> float:
 # ---------------------------------------------------------------- choosing
 
 
-def _choose_source(args: Any, has_task_reward: bool) -> str:
-    url, custom, rm_type = args.rm_url, args.custom_rm_path, args.rm_type
+def reward_source(settings: RewardSettings, has_task_reward: bool) -> str:
+    """The reward ``settings`` pick: remote, custom, math, exact or task; ``ConfigError``
+    for a choice that contradicts itself or none at all."""
+    url, custom, rm_type = settings.url, settings.custom_path, settings.rm_type
     if url is not None and custom is not None:
         raise ConfigError("--rm-url and --custom-rm-path both pick the reward; give only one")
     picked = "--rm-url" if url is not None else "--custom-rm-path" if custom is not None else None
     if picked is not None and rm_type is not None:
         raise ConfigError(f"--rm-type {rm_type} and {picked} both pick the reward; give only one")
-    if args.group_rm and custom is None:
+    if settings.group and custom is None:
         raise ConfigError("--group-rm needs --custom-rm-path MODULE:FN (the group function)")
     if url is not None:
         return "remote"
@@ -155,54 +172,40 @@ def load_custom_reward(spec: str, group: bool) -> Callable:
     return fn
 
 
-def reward_needs_label(args: Any) -> bool:
-    """Whether the reward the flags pick compares responses against each prompt's label.
+def reward_needs_label(settings: RewardSettings) -> bool:
+    """Whether the reward ``settings`` pick compares responses against each prompt's label.
 
     True for ``--rm-type math|exact`` and a built-in task's reward; False for
     ``--rm-url`` and ``--custom-rm-path``, which may score without one.
     """
-    return _choose_source(args, _has_task(args)) in ("math", "exact", "task")
-
-
-def _has_task(args: Any) -> bool:
-    # No --prompt-data means the embedded built-in task, which brings its reward.
-    data = args.prompt_data
-    return data is None or data.startswith(_BUILTIN_DATA_PREFIX)
-
-
-def check_reward_args(args: Any) -> None:
-    """Start-up check of the reward flags; raises ``ConfigError`` (one line)."""
-    if not (args.rm_timeout > 0 and math.isfinite(args.rm_timeout)):
-        raise ConfigError(
-            f"--rm-timeout must be a positive number of seconds, got {args.rm_timeout}"
-        )
-    if args.rm_url is not None:
-        parts = urllib.parse.urlsplit(args.rm_url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"--rm-url {args.rm_url}: expected http://host[:port]/path")
-    if _choose_source(args, _has_task(args)) == "custom":
-        load_custom_reward(args.custom_rm_path, args.group_rm)
+    return reward_source(settings, settings.task_data) in ("math", "exact", "task")
 
 
 def build_reward_scorer(
-    args: Any, task_reward: TaskReward | None = None, *, task_reads_trajectory: bool = False
+    settings: RewardSettings,
+    task_reward: TaskReward | None = None,
+    *,
+    task_reads_trajectory: bool = False,
+    hook_args: Any = None,
 ) -> RewardScorer:
-    """The scorer the flags ask for; ``task_reward`` is the built-in task's reward, if any
+    """The scorer ``settings`` ask for; ``task_reward`` is the built-in task's reward, if any
     (given the sample's ``trajectory`` in place of its response with
-    ``task_reads_trajectory``)."""
-    source = _choose_source(args, task_reward is not None)
+    ``task_reads_trajectory``). ``hook_args``: what a custom reward function is given as its
+    first argument (``fn(args, sample)``: the run's flags), passed on unread."""
+    source = reward_source(settings, task_reward is not None)
+    timeout = settings.timeout_s
     if source == "remote":
         threads = _Threads()
-        remote = _RemoteReward(args.rm_url, args.rm_timeout, args.rm_max_retries, threads)
-        return RewardScorer(f"remote {args.rm_url}", sample_fn=remote, threads=threads)
+        remote = _RemoteReward(settings.url, timeout, settings.max_retries, threads)
+        return RewardScorer(f"remote {settings.url}", sample_fn=remote, threads=threads)
     if source == "custom":
-        fn = load_custom_reward(args.custom_rm_path, args.group_rm)
+        fn = load_custom_reward(settings.custom_path, settings.group)
         threads = _Threads()
-        call = _custom_call(fn, args, threads)
-        name = f"custom {args.custom_rm_path}"
-        if args.group_rm:
-            return RewardScorer(name, group_fn=call, timeout=args.rm_timeout, threads=threads)
-        return RewardScorer(name, sample_fn=call, timeout=args.rm_timeout, threads=threads)
+        call = _custom_call(fn, hook_args, threads)
+        name = f"custom {settings.custom_path}"
+        if settings.group:
+            return RewardScorer(name, group_fn=call, timeout=timeout, threads=threads)
+        return RewardScorer(name, sample_fn=call, timeout=timeout, threads=threads)
     rule = {"math": math_reward, "exact": exact_reward, "task": task_reward}[source]
     assert rule is not None
     whole = task_reads_trajectory and source == "task"
@@ -237,12 +240,12 @@ class _Threads:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _custom_call(fn: Callable, args: Any, threads: _Threads) -> _AsyncCall:
+def _custom_call(fn: Callable, hook_args: Any, threads: _Threads) -> _AsyncCall:
     if inspect.iscoroutinefunction(fn):
-        return functools.partial(fn, args)
+        return functools.partial(fn, hook_args)
 
     async def call(arg: Any) -> Any:
-        result = await threads.run(fn, args, arg)
+        result = await threads.run(fn, hook_args, arg)
         # A sync wrapper may hand back a coroutine (e.g. a partial of an async fn).
         return await result if inspect.isawaitable(result) else result
 

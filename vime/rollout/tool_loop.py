@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vime.backends.registry import resolve
@@ -49,6 +48,7 @@ from vime.rollout.agent import (
     load_generate_function,
 )
 from vime.rollout.decoding import decode_turns, stop_token_ids
+from vime.rollout.settings import AgentSettings, ToolLoopSettings
 from vime.rollout.tool_parsers import AUTO, ToolParserSpec, resolve_tool_parser
 from vime.rollout.tool_turns import ToolTurnRenderer, truncate_output
 from vime.rollout.tools import (
@@ -56,7 +56,6 @@ from vime.rollout.tools import (
     Toolbox,
     ToolCall,
     ToolResult,
-    ToolSettings,
     parse_plain,
     parse_tool_calls,
 )
@@ -66,29 +65,6 @@ Parse = Callable[[str, Toolbox], list[ToolCall] | ParseError]
 
 CUT_BUDGET, CUT_MAX_TURNS = "budget", "max_turns"
 PLAIN_PROMPT_END = "="
-
-
-@dataclass(frozen=True)
-class ToolLoopSettings:
-    """``max_turns`` model turns at most; the tools' own limits; ``parser``, the
-    ``--tool-parser`` name (``vime.rollout.tool_parsers``; ``auto`` resolved by the
-    tokenizer when the loop is built)."""
-
-    max_turns: int = 4
-    tools: ToolSettings = field(default_factory=ToolSettings)
-    parser: str = AUTO
-
-    def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise ConfigError(f"--max-turns must be >= 1, got {self.max_turns}")
-
-    @classmethod
-    def from_args(cls, args: Any) -> ToolLoopSettings:
-        return cls(
-            args.max_turns,
-            ToolSettings(args.tool_timeout, args.tool_max_output_tokens),
-            args.tool_parser,
-        )
 
 
 class ToolFormat(Protocol):
@@ -201,18 +177,19 @@ def tool_format(
     return fmt(tokenizer, toolbox, max_output_tokens, resolve(spec.parse))
 
 
-def check_tool_format(args: Any, tokenizer: Any) -> ToolParserSpec:
-    """The parser ``args.tool_parser`` picks for the run's ``tokenizer``; ConfigError when
+def check_tool_format(settings: AgentSettings, tokenizer: Any) -> ToolParserSpec:
+    """The parser ``--tool-parser`` picks for the run's ``tokenizer``; ConfigError when
     it cannot read this model's turns: a named chat parser and no chat template, or a
     chat template without ``--apply-chat-template`` (the tools are shown through it).
 
     The template is known once the checkpoint's tokenizer is loaded: ``vime.trainer.Run``
     calls this then, before it renders a prompt or starts Ray; :func:`build_agent` again.
     """
-    spec = tool_parser_for(args.tool_parser, tokenizer)
-    if spec.chat and not args.apply_chat_template:
+    assert settings.loop is not None, "the tool loop's format: --tools only"
+    spec = tool_parser_for(settings.loop.parser, tokenizer)
+    if spec.chat and not settings.apply_chat_template:
         raise ConfigError(
-            f"--tools {args.tools}: the model reads the tools through its chat template; "
+            f"--tools {settings.tools}: the model reads the tools through its chat template; "
             "add --apply-chat-template"
         )
     return spec
@@ -280,17 +257,18 @@ class ToolLoop:
 
 
 def build_agent(
-    args: Any, tokenizer: Any, engines: Any, toolbox: Toolbox | None
+    settings: AgentSettings, tokenizer: Any, engines: Any, toolbox: Toolbox | None
 ) -> AgentRollouts | None:
     """The run's multi-turn generation: ``--custom-generate-function-path``, the tool
     loop over ``toolbox`` (``--tools``), or None for one engine call per prompt."""
-    budget = args.rollout_max_response_len
-    spec = args.custom_generate_function_path
+    budget = settings.budget
+    spec = settings.generate_function
     if spec is not None:
         return AgentRollouts(load_generate_function(spec), engines, budget, name=spec)
     if toolbox is None:
         return None
-    check_tool_format(args, tokenizer)
-    stops = stop_token_ids(args.rollout_stop_token_ids, tokenizer.eos_token_id)
-    loop = ToolLoop(toolbox, tokenizer, ToolLoopSettings.from_args(args), stop_token_ids=stops)
-    return AgentRollouts(loop, engines, budget, name=f"--tools {args.tools}")
+    check_tool_format(settings, tokenizer)
+    assert settings.loop is not None
+    stops = stop_token_ids(settings.stop_token_ids, tokenizer.eos_token_id)
+    loop = ToolLoop(toolbox, tokenizer, settings.loop, stop_token_ids=stops)
+    return AgentRollouts(loop, engines, budget, name=f"--tools {settings.tools}")

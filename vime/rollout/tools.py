@@ -40,23 +40,6 @@ _FORM = "expected 'module.path:NAME' or 'path/to/file.py:NAME', NAME a list of f
 
 
 @dataclass(frozen=True)
-class ToolSettings:
-    """Per-run limits: seconds a call may take (``--tool-timeout``); tokens of a tool's
-    output the model sees (``--tool-max-output-tokens``)."""
-
-    timeout_s: float = 30.0
-    max_output_tokens: int = 256
-
-    def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ConfigError(f"--tool-timeout must be > 0 seconds, got {self.timeout_s}")
-        if self.max_output_tokens < 1:
-            raise ConfigError(
-                f"--tool-max-output-tokens must be >= 1, got {self.max_output_tokens}"
-            )
-
-
-@dataclass(frozen=True)
 class ToolCall:
     """One call the model asked for: a tool name and its keyword arguments."""
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vime.config.lora_flags import DEFAULT_ALPHA, DEFAULT_TARGETS
+from vime.config.lora_flags import DEFAULT_ALPHA, DEFAULT_DROPOUT, DEFAULT_TARGETS
 from vime.weights.buckets import Bucket, WeightEntry, entries_from_state_dict, iter_buckets
 from vime.weights.hf_export import staged_folder
 
@@ -45,25 +45,15 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """``--lora-*``: the adapters' shape and how a sync moves them (rank 0 is off)."""
+    """``--lora-*``: the adapters' shape and how a sync moves them (rank 0 is off); built
+    from the flags by ``vime.config.settings.lora_settings``."""
 
     rank: int = 0
     alpha: float = DEFAULT_ALPHA
-    dropout: float = 0.0
+    dropout: float = DEFAULT_DROPOUT
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
     merge_on_sync: bool = False
     modules_to_save: tuple[str, ...] = ()
-
-    @classmethod
-    def from_args(cls, args: Any) -> LoraSettings:
-        return cls(
-            rank=args.lora_rank,
-            alpha=args.lora_alpha,
-            dropout=args.lora_dropout,
-            target_modules=tuple(args.lora_target_modules),
-            merge_on_sync=args.lora_merge_on_sync,
-            modules_to_save=tuple(args.lora_modules_to_save),
-        )
 
     @property
     def enabled(self) -> bool:

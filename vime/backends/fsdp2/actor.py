@@ -36,6 +36,7 @@ from vime.backends.dropout import model_config
 from vime.backends.fsdp2 import lora as fsdp_lora
 from vime.backends.fsdp2 import model as fsdp_model
 from vime.backends.policy_actor import PolicyTrainActor
+from vime.config.settings import lora_settings
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 from vime.weights.hf_files import LazyHFState
 from vime.weights.lora import LoraSettings, merge, write_peft_folder
@@ -64,7 +65,7 @@ class FSDP2Actor(PolicyTrainActor):
         # Per-sample attention reads rows whose samples share their prompt (computed once).
         self.shares_prompts = attn == varlen_attention.HF_NAME
         # LoRA: adapters train, the base is frozen and, with them off, the KL reference.
-        self.lora = LoraSettings.from_args(args)
+        self.lora = lora_settings(args)
         # A low-precision compute dtype also stores the frozen base (half the memory).
         self._base_dtype = param_dtype if param_dtype != torch.float32 else None
         self.reference_in_model = self.lora.enabled
