@@ -89,7 +89,8 @@ def _cluster(p: argparse._ArgumentGroup) -> None:
     )
 
 
-def _rollout(p: argparse._ArgumentGroup) -> None:
+def _rollout_shape(p: argparse._ArgumentGroup) -> None:
+    """The engine, the rollout's size and how far it may run ahead of training."""
     engines = "; ".join(f"{s.name}: {s.summary}" for s in engine_registry.ENGINES.values())
     p.add_argument(
         "--rollout-engine",
@@ -123,6 +124,10 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
         default=8,
         help="completions per prompt (the GRPO group size)",
     )
+
+
+def _sampling(p: argparse._ArgumentGroup) -> None:
+    """How the engines sample."""
     p.add_argument(
         "--rollout-max-prompt-len",
         type=positive_int,
@@ -143,6 +148,10 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
     )
     p.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
     p.add_argument("--rollout-top-k", type=int, default=-1, help="top-k sampling; -1 disables it")
+
+
+def _rewards(p: argparse._ArgumentGroup) -> None:
+    """The reward: built-in, a user function or a remote service."""
     p.add_argument(
         "--rm-type",
         choices=RM_TYPES,
@@ -173,6 +182,10 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
         default=3,
         help="retries of a failed remote reward call (with backoff)",
     )
+
+
+def _rollout_ends(p: argparse._ArgumentGroup) -> None:
+    """Where a completion ends, and dynamic sampling's rounds."""
     p.add_argument(
         "--rollout-stop-token-ids",
         type=int,
@@ -200,6 +213,10 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
         default=8,
         help="generation rounds per rollout before training on the groups kept so far",
     )
+
+
+def _weight_sync(p: argparse._ArgumentGroup) -> None:
+    """How new weights reach the engines, and every engine's own flags."""
     p.add_argument(
         "--weight-sync",
         choices=WEIGHT_SYNC_TRANSPORTS,
@@ -217,7 +234,16 @@ def _rollout(p: argparse._ArgumentGroup) -> None:
     )
 
 
-def _data(p: argparse._ArgumentGroup) -> None:
+def _rollout(p: argparse._ArgumentGroup) -> None:
+    _rollout_shape(p)
+    _sampling(p)
+    _rewards(p)
+    _rollout_ends(p)
+    _weight_sync(p)
+
+
+def _prompt_sources(p: argparse._ArgumentGroup) -> None:
+    """The model, the prompts and the held-out prompts."""
     p.add_argument(
         "--hf-checkpoint",
         default=None,
@@ -261,6 +287,10 @@ def _data(p: argparse._ArgumentGroup) -> None:
         default=0.0,
         help="eval sampling temperature; 0 is greedy",
     )
+
+
+def _prompt_fields(p: argparse._ArgumentGroup) -> None:
+    """A data row's fields, and how long the data feeds the run."""
     p.add_argument("--input-key", default="prompt", help="prompt field of a data row")
     p.add_argument("--label-key", default="label", help="label field of a data row")
     p.add_argument("--metadata-key", default="metadata", help="metadata field of a data row")
@@ -282,7 +312,13 @@ def _data(p: argparse._ArgumentGroup) -> None:
     )
 
 
-def _algorithm(p: argparse._ArgumentGroup) -> None:
+def _data(p: argparse._ArgumentGroup) -> None:
+    _prompt_sources(p)
+    _prompt_fields(p)
+
+
+def _advantages(p: argparse._ArgumentGroup) -> None:
+    """Advantages, and the custom advantage and loss functions."""
     p.add_argument(
         "--advantage-estimator",
         choices=ADVANTAGE_ESTIMATORS,
@@ -301,6 +337,10 @@ def _algorithm(p: argparse._ArgumentGroup) -> None:
         metavar="MODULE:FN",
         help="replaces the policy loss; same signature as vime.algo.policy_loss",
     )
+
+
+def _policy_clip(p: argparse._ArgumentGroup) -> None:
+    """The policy loss's clipping and level."""
     p.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip: ratio >= 1 - eps")
     p.add_argument(
         "--eps-clip-high",
@@ -320,6 +360,10 @@ def _algorithm(p: argparse._ArgumentGroup) -> None:
         default="token",
         help="token (PPO/GRPO) or sequence (GSPO) importance ratios",
     )
+
+
+def _penalties(p: argparse._ArgumentGroup) -> None:
+    """KL and entropy terms, and how token losses aggregate."""
     p.add_argument(
         "--use-kl-loss",
         action="store_true",
@@ -347,6 +391,10 @@ def _algorithm(p: argparse._ArgumentGroup) -> None:
         help="the constant length seq-mean-token-sum-norm (Dr. GRPO) divides by, with the "
         "number of sequences (default --rollout-max-response-len)",
     )
+
+
+def _correction(p: argparse._ArgumentGroup) -> None:
+    """The rollout correction (truncated importance sampling)."""
     p.add_argument(
         "--use-tis",
         action=argparse.BooleanOptionalAction,
@@ -385,6 +433,10 @@ def _algorithm(p: argparse._ArgumentGroup) -> None:
         metavar="LOW",
         help="lower bound of the weight in --tis-mode mask (default 1 / --tis-clip)",
     )
+
+
+def _batching(p: argparse._ArgumentGroup) -> None:
+    """Optimizer steps per rollout and the micro-batches of each."""
     p.add_argument(
         "--global-batch-size",
         type=positive_int,
@@ -419,6 +471,14 @@ def _algorithm(p: argparse._ArgumentGroup) -> None:
         default=None,
         help="token cap of one packed row with --use-dynamic-batch-size",
     )
+
+
+def _algorithm(p: argparse._ArgumentGroup) -> None:
+    _advantages(p)
+    _policy_clip(p)
+    _penalties(p)
+    _correction(p)
+    _batching(p)
 
 
 def _optimizer(p: argparse._ArgumentGroup) -> None:
