@@ -1,6 +1,6 @@
 """From flags to the micro-batch loss: every loss flag reaches it, and the loss is its definition.
 
-Proves: each loss flag of the algorithm group changes ``LossConfig.from_args`` and the
+Proves: each loss flag of the algorithm group changes ``loss_settings`` and the
 loss or gradient ``micro_batch_loss`` computes from the same log-probs (a flag parsed but
 never reaching the loss fails here), every choice of such a flag gives a loss of its own
 (a choice parsed but computed as another fails here), and every algorithm flag is either

@@ -1,6 +1,7 @@
 """The common flags of ``vime-train``, declared once, by group.
 
-Where it fits: ``vime.config.parser`` builds the parser from these groups plus
+Where it fits: ``vime.config.parser`` builds the parser from these groups (the rollout
+and agent groups in ``vime.config.rollout_flags``, LoRA's in ``lora_flags``) plus
 the selected backend's own flags (``vime.backends.registry``); cross-flag rules
 live in ``vime.config.validate``. Choices that mirror ``vime.algo`` are spelled
 out here so that ``--help`` needs no torch import; a test keeps them equal.
@@ -14,15 +15,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from vime.config.flag_types import non_negative_int, positive_int
 from vime.config.lora_flags import add_lora_flags
-from vime.ray import transport_names
-from vime.rollout import registry as engine_registry
-from vime.rollout import tool_parsers
-from vime.rollout.settings import ToolLoopSettings, ToolSettings
+from vime.config.rollout_flags import add_agent_flags, add_rollout_flags
 
-# The engines' names and their own flags come from vime.rollout.registry, the weight
-# transports' names from vime.ray.transport_names (neither imports torch or Ray).
-ROLLOUT_ENGINES = engine_registry.rollout_engine_choices()
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 AGGREGATION_MODES = (
@@ -35,23 +31,6 @@ POLICY_LOSS_LEVELS = ("token", "sequence")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 CORRECTION_MODES = ("truncate", "mask")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-RM_TYPES = ("math", "exact", "builtin")
-CPU_SPLITS = ("auto", "on", "off")
-WEIGHT_SYNC_TRANSPORTS = transport_names.weight_sync_choices()
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def _cluster(p: argparse._ArgumentGroup) -> None:
@@ -87,159 +66,6 @@ def _cluster(p: argparse._ArgumentGroup) -> None:
         default=None,
         help="join this Ray cluster instead of starting a local one (also read from RAY_ADDRESS)",
     )
-
-
-def _rollout_shape(p: argparse._ArgumentGroup) -> None:
-    """The engine, the rollout's size and how far it may run ahead of training."""
-    engines = "; ".join(f"{s.name}: {s.summary}" for s in engine_registry.ENGINES.values())
-    p.add_argument(
-        "--rollout-engine",
-        choices=ROLLOUT_ENGINES,
-        default=engine_registry.AUTO,
-        help=f"{engines}; or auto: vllm when importable (hf for the embedded model)",
-    )
-    p.add_argument(
-        "--rollout-batch-size", type=positive_int, default=32, help="prompts per rollout"
-    )
-    p.add_argument(
-        "--max-staleness",
-        type=non_negative_int,
-        default=0,
-        metavar="K",
-        help="0: generate, then train, in turn; K >= 1: the engines never wait for the "
-        "trainer, which trains on samples of weights at most K rollouts old, each token's "
-        "loss weighted by the behaviour correction (--use-tis, on by default there)",
-    )
-    p.add_argument(
-        "--cpu-split",
-        choices=CPU_SPLITS,
-        default="auto",
-        help="CPU runs on one machine: split the cores between the training ranks and "
-        "the engines, each process pinned to its own (auto: with --max-staleness >= 1, "
-        "when both sides work at once)",
-    )
-    p.add_argument(
-        "--n-samples-per-prompt",
-        type=positive_int,
-        default=8,
-        help="completions per prompt (the GRPO group size)",
-    )
-
-
-def _sampling(p: argparse._ArgumentGroup) -> None:
-    """How the engines sample."""
-    p.add_argument(
-        "--rollout-max-prompt-len",
-        type=positive_int,
-        default=1024,
-        help="prompts longer than this (in tokens) are dropped and counted",
-    )
-    p.add_argument(
-        "--rollout-max-response-len",
-        type=positive_int,
-        default=1024,
-        help="maximum new tokens per completion",
-    )
-    p.add_argument(
-        "--rollout-temperature",
-        type=float,
-        default=1.0,
-        help="sampling temperature (> 0); log-probs are taken at this temperature",
-    )
-    p.add_argument("--rollout-top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
-    p.add_argument("--rollout-top-k", type=int, default=-1, help="top-k sampling; -1 disables it")
-
-
-def _rewards(p: argparse._ArgumentGroup) -> None:
-    """The reward: built-in, a user function or a remote service."""
-    p.add_argument(
-        "--rm-type",
-        choices=RM_TYPES,
-        default=None,
-        help="built-in reward: math (final answer), exact (string match), or the "
-        "built-in task's own (default for builtin: data)",
-    )
-    p.add_argument(
-        "--custom-rm-path",
-        default=None,
-        metavar="MODULE:FN",
-        help="user reward function, sync or async",
-    )
-    p.add_argument(
-        "--group-rm",
-        action="store_true",
-        help="call --custom-rm-path once per group with all its samples",
-    )
-    p.add_argument(
-        "--rm-url", default=None, metavar="URL", help="remote reward: POST one JSON per sample"
-    )
-    p.add_argument(
-        "--rm-timeout", type=float, default=30.0, help="seconds per reward call before it fails"
-    )
-    p.add_argument(
-        "--rm-max-retries",
-        type=non_negative_int,
-        default=3,
-        help="retries of a failed remote reward call (with backoff)",
-    )
-
-
-def _rollout_ends(p: argparse._ArgumentGroup) -> None:
-    """Where a completion ends, and dynamic sampling's rounds."""
-    p.add_argument(
-        "--rollout-stop-token-ids",
-        type=int,
-        nargs="*",
-        default=[],
-        metavar="ID",
-        help="token ids that end a completion, besides the tokenizer's EOS",
-    )
-    p.add_argument(
-        "--dynamic-sampling-filter",
-        action="store_true",
-        help="drop groups whose rewards all agree; sample more prompts until the batch is full",
-    )
-    p.add_argument(
-        "--over-sampling-factor",
-        type=float,
-        default=None,
-        metavar="F",
-        help="with --dynamic-sampling-filter, a round asks for ceil(F x the missing groups) "
-        "and keeps the first that pass (default 1.5)",
-    )
-    p.add_argument(
-        "--dynamic-sampling-max-rounds",
-        type=positive_int,
-        default=8,
-        help="generation rounds per rollout before training on the groups kept so far",
-    )
-
-
-def _weight_sync(p: argparse._ArgumentGroup) -> None:
-    """How new weights reach the engines, and every engine's own flags."""
-    p.add_argument(
-        "--weight-sync",
-        choices=WEIGHT_SYNC_TRANSPORTS,
-        default="auto",
-        help=f"how new weights reach the engines (auto: {transport_names.AUTO_RULE})",
-    )
-    for add_engine_flags in engine_registry.flag_adders():  # every engine's: auto may pick any
-        add_engine_flags(p)
-    p.add_argument(
-        "--update-weight-buffer-size",
-        type=positive_int,
-        default=512 * 1024**2,
-        metavar="BYTES",
-        help="bytes per weight-sync bucket",
-    )
-
-
-def _rollout(p: argparse._ArgumentGroup) -> None:
-    _rollout_shape(p)
-    _sampling(p)
-    _rewards(p)
-    _rollout_ends(p)
-    _weight_sync(p)
 
 
 def _prompt_sources(p: argparse._ArgumentGroup) -> None:
@@ -677,57 +503,10 @@ def apply_embedded_task_defaults(
             setattr(args, dest, value)
 
 
-def _agent(p: argparse._ArgumentGroup) -> None:
-    p.add_argument(
-        "--tools",
-        default=None,
-        metavar="MODULE:NAME",
-        help="a list of Python functions the model may call: each sample becomes a "
-        "multi-turn trajectory, the tools' answers appended as untrained tokens "
-        "(builtin: tool tasks name their own)",
-    )
-    p.add_argument(
-        "--custom-generate-function-path",
-        default=None,
-        metavar="MODULE:FN",
-        help="async fn(sample, engine) -> vime.rollout.agent.Trajectory: your own "
-        "multi-turn generation in place of the tool loop",
-    )
-    p.add_argument(
-        "--max-turns",
-        type=positive_int,
-        default=ToolLoopSettings.max_turns,
-        help="--tools: model turns per trajectory at most (one that still calls a tool "
-        "is cut there)",
-    )
-    parsers = "; ".join(f"{s.name}: {s.summary}" for s in tool_parsers.PARSERS.values())
-    p.add_argument(
-        "--tool-parser",
-        choices=tool_parsers.tool_parser_choices(),
-        default=None,
-        help=f"--tools: how a model turn's calls are read. {parsers}; auto (default): "
-        "hermes with a chat template, a turn without <tool_call> read as llama3_json, "
-        "else plain",
-    )
-    p.add_argument(
-        "--tool-timeout",
-        type=float,
-        default=ToolSettings.timeout_s,
-        metavar="SECONDS",
-        help="--tools: a call running longer becomes an error the model reads",
-    )
-    p.add_argument(
-        "--tool-max-output-tokens",
-        type=positive_int,
-        default=ToolSettings.max_output_tokens,
-        help="--tools: a tool's answer is cut to this many tokens before the model sees it",
-    )
-
-
 GROUPS = (
     ("cluster", "placement of training ranks and rollout engines", _cluster),
-    ("rollout", "generation and reward", _rollout),
-    ("agent", "multi-turn rollouts: tools, custom generation", _agent),
+    ("rollout", "generation and reward", add_rollout_flags),
+    ("agent", "multi-turn rollouts: tools, custom generation", add_agent_flags),
     ("data", "model, prompts and their fields", _data),
     ("model", "architecture flags (MODEL_ARGS), checked against --hf-checkpoint", _model),
     ("algorithm", "advantages, policy loss, KL, batching", _algorithm),
