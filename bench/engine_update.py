@@ -133,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     from vime.ray.engines import EngineActor
+    from vime.rollout.registry import EngineOptions
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = _build_model(str(Path(tmp) / "model"), args.layers, args.hidden)
         buckets = _buckets(folder, args.bucket_layers)
-        actor = EngineActor(args.engine, folder, {"num_threads": args.threads, "seed": 0})
+        actor = EngineActor(args.engine, folder, EngineOptions(num_threads=args.threads, seed=0))
         engine = actor.engine
         print(
             f"vime engine-update bench: {actor.kind} engine ({actor.reason}), "

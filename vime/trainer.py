@@ -177,25 +177,24 @@ class Run:
         if args.colocate:
             self.start_rollout = self.train_group.finish_init()
             startup.mark("trainer")
-        engine_options = {
-            # The embedded model's matmuls are too small to split over threads: on one it
-            # generates faster (bench/README.md: 0.078 against 0.105 s a rollout, 2 cores).
-            "num_threads": 1 if self.embedded else (os.cpu_count() or 1),
-            "tensor_parallel_size": args.rollout_num_gpus_per_engine,
-            "seed": args.seed,
-            # The longest sequence a rollout makes: what the KV cache must hold.
-            "max_model_len": args.rollout_max_prompt_len + args.rollout_max_response_len,
-            "gpu_memory_utilization": args.rollout_gpu_memory_utilization,
-            "tiny_model": self.embedded,  # auto gives it the faster engine (resolve_engine)
-        }
         lora = engine_lora(
             settings.lora,
             args.update_weight_buffer_size,
             args.weight_sync,
             args.vllm_lora,
         )
-        if lora is not None:
-            engine_options["lora"] = lora
+        engine_options = engine_registry.EngineOptions(
+            # The embedded model's matmuls are too small to split over threads: on one it
+            # generates faster (bench/README.md: 0.078 against 0.105 s a rollout, 2 cores).
+            num_threads=1 if self.embedded else (os.cpu_count() or 1),
+            tensor_parallel_size=args.rollout_num_gpus_per_engine,
+            seed=args.seed,
+            # The longest sequence a rollout makes: what the KV cache must hold.
+            max_model_len=args.rollout_max_prompt_len + args.rollout_max_response_len,
+            gpu_memory_utilization=args.rollout_gpu_memory_utilization,
+            tiny_model=self.embedded,  # auto gives it the faster engine (resolve_engine)
+            lora=lora,
+        )
         self.turns = DeviceTurns(
             self.train_group,
             lambda: EngineGroup(
@@ -222,15 +221,6 @@ class Run:
         if engine_cores is not None:  # as the processes see it, not as planned
             cores = f"training {self.train_group.cpu_cores()}, engines {self.engines.cpu_cores()}"
             self.log(f"vime: CPU cores split (--cpu-split): {cores}")
-        if (
-            args.max_staleness
-            and not engine_registry.get_engine(self.engines.kind).in_flight_updates
-        ):
-            raise ConfigError(  # auto chose it: an explicit engine was refused while parsing
-                f"--max-staleness {args.max_staleness} needs an engine that takes new weights "
-                f"while it generates, and auto chose {self.engines.kind}; name one with "
-                "--rollout-engine hf, or use --max-staleness 0"
-            )
         # The driver's phases, the reward's among them (timed where the manager calls it).
         clock = PhaseClock()
         self.manager = RolloutManager(

@@ -50,7 +50,7 @@ from vime.ray.engines import (
 )
 from vime.ray.placement import Layout
 from vime.rollout.builders import engine_max_model_len, hf_engine_dtype
-from vime.rollout.registry import TINY_MODEL_REASON, resolve_engine
+from vime.rollout.registry import TINY_MODEL_REASON, EngineOptions, resolve_engine
 from vime.rollout.types import SamplingParams
 from vime.rollout.vllm_engine import vllm_import_error
 
@@ -343,7 +343,7 @@ def test_an_engine_generates_on_the_threads_it_was_built_with(tmp_path: Path, ki
         layout = Layout(
             num_train=0, num_engines=1, gpus_per_engine=1, colocate=False, use_gpu=False
         )
-        options = {"num_threads": 2, "seed": 0, "max_model_len": 64}
+        options = EngineOptions(num_threads=2, seed=0, max_model_len=64)
         group = EngineGroup(kind, checkpoint, reserve(layout), options)
         params = SamplingParams(n=2, max_new_tokens=4, seed=1)
         group.generate([[5, 9, 14]], params)

@@ -326,6 +326,7 @@ def test_adapter_only_sync_serves_what_a_merged_sync_does(any_steps) -> None:
     adapters, then the adapters alone (and saved modules; streamed bucket by bucket), the
     other the merged weights each time. Same tensors, same log-probs, bit for bit."""
     from vime.ray.engines import EngineActor
+    from vime.rollout.registry import EngineOptions
     from vime.weights.lora import EngineLora, LoraSettings
 
     steps = any_steps
@@ -340,8 +341,9 @@ def test_adapter_only_sync_serves_what_a_merged_sync_does(any_steps) -> None:
     full = sum(t.numel() * t.element_size() for t in steps["merged1"].values())
     assert sent < full / 2, (sent, full)
 
-    lora = EngineActor("hf", hf_dir, {"lora": EngineLora(LoraSettings(RANK, ALPHA), BUCKET)})
-    plain = EngineActor("hf", hf_dir, {})
+    lora_options = EngineOptions(lora=EngineLora(LoraSettings(RANK, ALPHA), BUCKET))
+    lora = EngineActor("hf", hf_dir, lora_options)
+    plain = EngineActor("hf", hf_dir, EngineOptions())
     tokens = make_batch(1).tokens[0]
     for version, (buckets, merged) in enumerate(
         [(first, steps["merged0"]), (second, steps["merged1"])], start=1

@@ -27,6 +27,7 @@ from vime.ray.placement import Layout, reserve
 from vime.rollout.agent import AgentRollouts, Trajectory
 from vime.rollout.manager import RolloutManager
 from vime.rollout.producer import ProducerSettings, RolloutProducer
+from vime.rollout.registry import EngineOptions
 from vime.rollout.rewards import build_reward_scorer
 
 ray = pytest.importorskip("ray")
@@ -45,7 +46,7 @@ def world(tmp_path_factory: pytest.TempPathFactory):
         layout = Layout(
             num_train=0, num_engines=2, gpus_per_engine=1, colocate=False, use_gpu=False
         )
-        options = {"seed": 0, "num_threads": 1, "tiny_model": True}
+        options = EngineOptions(seed=0, num_threads=1, tiny_model=True)
         engines = EngineGroup("hf", checkpoint, reserve(layout), options)
         yield checkpoint, engines
     finally:

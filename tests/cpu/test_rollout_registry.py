@@ -24,6 +24,7 @@ from vime.backends.registry import resolve
 from vime.config import build_parser, parse_args
 from vime.config.flags import WEIGHT_SYNC_TRANSPORTS
 from vime.config.settings import sync_settings
+from vime.errors import ConfigError
 from vime.ray import transport_names, transports
 from vime.rollout import registry
 
@@ -46,7 +47,7 @@ def test_unknown_engine_fails_in_one_line_naming_the_choices() -> None:
         registry.get_engine("sglang")
     assert str(refused.value) == "unknown rollout engine 'sglang'; choose from: vllm, hf"
     with pytest.raises(registry.UnknownEngineError, match=r"choose from: vllm, hf$"):
-        registry.build_engine("sglang", "/nowhere", {})
+        registry.build_engine("sglang", "/nowhere", registry.EngineOptions())
 
 
 @pytest.mark.parametrize("name", registry.engine_names())
@@ -83,17 +84,34 @@ def test_tensor_parallel_engines_and_auto_fall_back_to_one_that_needs_no_import(
     )
 
 
+def test_auto_that_may_choose_an_engine_without_in_flight_updates_refuses_max_staleness(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--max-staleness`` with ``auto`` is judged while parsing, on every engine auto may
+    choose: the embedded model's engine only, without ``--hf-checkpoint``."""
+    vllm = dataclasses.replace(registry.get_engine("vllm"), in_flight_updates=False)
+    monkeypatch.setitem(registry.ENGINES, "vllm", vllm)
+    assert registry.auto_choices(tiny_model=True) == (registry.FALLBACK_ENGINE,)
+    assert parse_args(["--max-staleness", "1"]).max_staleness == 1
+    refusal = (
+        r"^--max-staleness 1 needs an engine that takes new weights while it generates, "
+        r"and auto may choose vllm; use --rollout-engine hf, or --max-staleness 0$"
+    )
+    with pytest.raises(ConfigError, match=refusal):
+        parse_args(["--hf-checkpoint", str(tmp_path), "--max-staleness", "1"])
+
+
 def test_engine_actor_builds_through_the_registry(tmp_path: Path) -> None:
     from vime.ray.engines import EngineActor
     from vime.rollout.hf_engine import HFEngine
 
     checkpoint = save_tiny(str(tmp_path / "model"), tiny_qwen3_config(vocab_size=48), seed=1)
-    actor = EngineActor("hf", checkpoint, {"num_threads": 1})
+    actor = EngineActor("hf", checkpoint, registry.EngineOptions(num_threads=1))
     assert isinstance(actor.engine, HFEngine)
     assert actor.choice() == ("hf", "--rollout-engine hf")
     assert actor.weight_version() == 0
     with pytest.raises(registry.UnknownEngineError, match=r"choose from: vllm, hf$"):
-        EngineActor("sglang", checkpoint, {})
+        EngineActor("sglang", checkpoint, registry.EngineOptions())
 
 
 def test_weight_sync_choices_are_auto_and_the_transports() -> None:

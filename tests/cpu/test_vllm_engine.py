@@ -59,6 +59,7 @@ pytest.importorskip("vllm")
 from tiny_models import save_tiny, tiny_qwen3_config
 from transformers import AutoModelForCausalLM, Qwen3Config
 
+from vime.rollout.registry import EngineOptions
 from vime.rollout.types import Completion, SamplingParams
 from vime.rollout.vllm_engine import VLLMEngine
 
@@ -613,7 +614,7 @@ def test_engine_actor_starts_where_the_checkpoint_window_outgrows_the_kv_cache(
         max_position_embeddings=40960,
     )
     checkpoint = save_tiny(str(tmp_path / "wide"), config, seed=0)
-    actor = EngineActor("vllm", checkpoint, {"seed": 0, "max_model_len": 64 + 8})
+    actor = EngineActor("vllm", checkpoint, EngineOptions(seed=0, max_model_len=64 + 8))
     llm = actor.engine._llm
     assert llm.llm_engine.vllm_config.model_config.max_model_len == 72
     out = actor.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_new_tokens=8))
@@ -661,7 +662,9 @@ def test_engine_actor_openmp_sleeps_when_idle(
         layout = Layout(
             num_train=1, num_engines=1, gpus_per_engine=1, colocate=False, use_gpu=False
         )
-        group = EngineGroup("vllm", str(setup.root / "model"), reserve(layout), {"seed": 0})
+        group = EngineGroup(
+            "vllm", str(setup.root / "model"), reserve(layout), EngineOptions(seed=0)
+        )
         pid = ray.get(group.actors[0].ready.remote())
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = dict(

@@ -11,7 +11,11 @@ from __future__ import annotations
 import argparse
 
 from vime.errors import ConfigError
-from vime.rollout.engine_flags import VLLM_LORA_RANKS
+from vime.rollout.engine_flags import (
+    VLLM_COLOCATED_GPU_MEMORY_SHARE,
+    VLLM_GPU_MEMORY_SHARE,
+    VLLM_LORA_RANKS,
+)
 
 
 def validate_vllm_flags(args: argparse.Namespace) -> None:
@@ -20,7 +24,8 @@ def validate_vllm_flags(args: argparse.Namespace) -> None:
     if share is None:
         # A colocated engine shares its GPU with a training rank that is awake (weights,
         # optimizer state) when vLLM starts and checks that this share is free.
-        args.rollout_gpu_memory_utilization = 0.5 if args.colocate else 0.85
+        colocated = VLLM_COLOCATED_GPU_MEMORY_SHARE
+        args.rollout_gpu_memory_utilization = colocated if args.colocate else VLLM_GPU_MEMORY_SHARE
     elif not 0 < share <= 1:
         raise ConfigError(f"--rollout-gpu-memory-utilization must be in (0, 1], got {share}")
     _check_vllm_lora(args)

@@ -247,12 +247,16 @@ def _check_async_engine(args: argparse.Namespace) -> None:
             "trainer trains, and --colocate makes the two take turns on the same devices; "
             "drop --colocate or use --max-staleness 0"
         )
-    name = args.rollout_engine
-    if name != engine_registry.AUTO and not engine_registry.get_engine(name).in_flight_updates:
-        able = [s.name for s in engine_registry.ENGINES.values() if s.in_flight_updates]
+    name, auto = args.rollout_engine, args.rollout_engine == engine_registry.AUTO
+    able = [s.name for s in engine_registry.ENGINES.values() if s.in_flight_updates]
+    # The embedded model (no --hf-checkpoint) is the one thing that narrows auto's choice.
+    may_run = engine_registry.auto_choices(args.hf_checkpoint is None) if auto else (name,)
+    unable = [n for n in may_run if n not in able]
+    if unable:
+        chose = f"auto may choose {unable[0]}" if auto else f"--rollout-engine {name} does not yet"
         raise ConfigError(
             f"--max-staleness {args.max_staleness} needs an engine that takes new weights "
-            f"while it generates, and --rollout-engine {name} does not yet; use "
+            f"while it generates, and {chose}; use "
             f"--rollout-engine {' or '.join(able)}, or --max-staleness 0"
         )
 

@@ -31,7 +31,7 @@ from vime.ray.placement import Layout, Placement, pin_process, process_cores
 from vime.ray.transports import transport_class
 from vime.rollout import registry
 from vime.rollout.types import Completion, SamplingParams
-from vime.weights.lora import AdapterLoader, EngineLora, engine_receiver
+from vime.weights.lora import AdapterLoader, engine_receiver
 from vime.weights.update_stream import UpdateStream
 
 # Set in every engine actor's process before it starts. OpenMP (the libgomp that torch
@@ -102,23 +102,20 @@ def engine_actor_spec(
 class EngineActor:
     """One rollout engine in its own process (wrapped by ``ray.remote`` below)."""
 
-    def __init__(self, kind: str, checkpoint: str, options: dict[str, Any]) -> None:
-        options = dict(options)
-        lora: EngineLora | None = options.pop("lora", None)
-        kind, self.reason = registry.resolve_engine(kind, options.get("tiny_model", False))
+    def __init__(self, kind: str, checkpoint: str, options: registry.EngineOptions) -> None:
+        kind, self.reason = registry.resolve_engine(kind, options.tiny_model)
         self.kind = kind
         # LoRA's adapter-only syncs: served by the engine's own LoRA, or merged here.
         self._lora = None
-        if lora is not None:
+        if options.lora is not None:
             native_lora = registry.get_engine(kind).native_lora
-            self._lora = engine_receiver(lora, native_lora, vime_device.cuda_available())
+            self._lora = engine_receiver(options.lora, native_lora, vime_device.cuda_available())
             if isinstance(self._lora, AdapterLoader):
-                options["max_lora_rank"] = lora.settings.rank
-        threads = options.get("num_threads")
-        cores = options.get("cpu_cores")
-        if cores:  # cores of its own (asynchronous rollout on the CPU): threads follow
-            pin_process(cores)
-            threads = len(cores)
+                options = dataclasses.replace(options, max_lora_rank=options.lora.settings.rank)
+        threads = options.num_threads
+        if options.cpu_cores:  # cores of its own (async rollout on the CPU): threads follow
+            pin_process(options.cpu_cores)
+            threads = len(options.cpu_cores)
         import torch
 
         if threads:
@@ -263,7 +260,7 @@ class EngineGroup:
         kind: str,
         checkpoint: str,
         placement: Placement,
-        options: dict[str, Any],
+        options: registry.EngineOptions,
         cpu_cores: Sequence[Sequence[int]] | None = None,
     ) -> None:
         layout = placement.layout
@@ -274,7 +271,7 @@ class EngineGroup:
         for e in range(layout.num_engines):
             spec = engine_actor_spec(layout, e, placement.order)
             if cpu_cores is not None:
-                options = {**options, "cpu_cores": list(cpu_cores[e])}
+                options = dataclasses.replace(options, cpu_cores=tuple(cpu_cores[e]))
             actor = remote.options(
                 num_cpus=spec.num_cpus,
                 num_gpus=spec.num_gpus,
@@ -294,7 +291,7 @@ class EngineGroup:
         self.kind, self.reason = choices[0]
         # How LoRA syncs reach the engines (alike: they chose one engine kind).
         self.lora_receiver = wait_all([self.actors[0].lora_receiver.remote()], "reading LoRA")[0]
-        tp = options.get("tensor_parallel_size", 1)
+        tp = options.tensor_parallel_size
         if tp > 1 and not registry.get_engine(self.kind).tensor_parallel:
             # auto, on machines where vLLM does not import
             tp_engines = registry.tensor_parallel_names()

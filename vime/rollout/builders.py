@@ -2,24 +2,26 @@
 
 Where it fits: ``vime.rollout.registry`` names one builder per engine
 (``EngineSpec.builder``); ``vime.ray.engines.EngineActor`` calls it in the engine's
-own process with the checkpoint folder and the options ``vime.trainer`` put together
-(``tensor_parallel_size``, ``seed``, ``max_model_len``, ``gpu_memory_utilization``,
-``max_lora_rank`` where the engine serves LoRA itself;
-the actor itself reads ``num_threads`` and ``tiny_model``). Each builder imports its
-engine only when called, and reads what it needs from the checkpoint's config.json
-(the dtype it was saved in, its context window).
+own process with the checkpoint folder and the run's ``EngineOptions``
+(``vime.rollout.registry``; the builders read ``tensor_parallel_size``, ``seed``,
+``max_model_len``, ``gpu_memory_utilization`` and ``max_lora_rank``). Each builder
+imports its engine only when called, and reads what it needs from the checkpoint's
+config.json (the dtype it was saved in, its context window).
 
-A new engine's builder goes here: ``(checkpoint, options) -> RolloutEngine``.
+A new engine's builder goes here: ``(checkpoint, EngineOptions) -> RolloutEngine``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vime.rollout.registry import EngineOptions
 
 
-def build_hf(checkpoint: str, options: dict[str, Any]) -> Any:
+def build_hf(checkpoint: str, options: EngineOptions) -> Any:
     """The transformers engine, on the GPU where there is one (``hf_engine_dtype``)."""
     import torch
 
@@ -33,19 +35,19 @@ def build_hf(checkpoint: str, options: dict[str, Any]) -> Any:
     )
 
 
-def build_vllm(checkpoint: str, options: dict[str, Any]) -> Any:
+def build_vllm(checkpoint: str, options: EngineOptions) -> Any:
     """vLLM, in the checkpoint's dtype, with the run's context (``engine_max_model_len``)."""
     from vime.rollout.vllm_engine import VLLMEngine
 
     config = checkpoint_config(checkpoint)
     return VLLMEngine(
         checkpoint,
-        tensor_parallel_size=options.get("tensor_parallel_size", 1),
-        seed=options.get("seed", 0),
+        tensor_parallel_size=options.tensor_parallel_size,
+        seed=options.seed,
         dtype=checkpoint_dtype(config),
-        max_model_len=engine_max_model_len(config, options.get("max_model_len")),
-        gpu_memory_utilization=options.get("gpu_memory_utilization", 0.5),
-        max_lora_rank=options.get("max_lora_rank"),
+        max_model_len=engine_max_model_len(config, options.max_model_len),
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        max_lora_rank=options.max_lora_rank,
     )
 
 

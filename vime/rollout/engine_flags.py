@@ -16,6 +16,10 @@ import argparse
 
 # The LoRA ranks vLLM sizes its buffers for (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# --rollout-gpu-memory-utilization's defaults: a vLLM engine's share of a GPU of its own,
+# and of one a training rank shares with it (--colocate).
+VLLM_GPU_MEMORY_SHARE = 0.85
+VLLM_COLOCATED_GPU_MEMORY_SHARE = 0.5
 
 
 def add_vllm_flags(p: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
@@ -26,7 +30,8 @@ def add_vllm_flags(p: argparse._ArgumentGroup | argparse.ArgumentParser) -> None
         default=None,
         metavar="FRACTION",
         help="share of each rollout GPU a vLLM engine takes for weights and KV cache, in "
-        "(0, 1] (default 0.85 on GPUs of its own, 0.5 with --colocate)",
+        f"(0, 1] (default {VLLM_GPU_MEMORY_SHARE} on GPUs of its own, "
+        f"{VLLM_COLOCATED_GPU_MEMORY_SHARE} with --colocate)",
     )
     p.add_argument(
         "--vllm-lora",

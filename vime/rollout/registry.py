@@ -7,7 +7,7 @@ flags (``vime.config.flags``) and checks (``vime.config.validate``); each engine
 its engine through the spec's builder. Every part is named by ``module:attribute`` and
 resolved on demand, so ``vime-train --help`` imports no engine (and no torch).
 
-Adding an engine: a builder ``(checkpoint, options) -> RolloutEngine`` (see
+Adding an engine: a builder ``(checkpoint, EngineOptions) -> RolloutEngine`` (see
 ``vime.rollout.builders``) and one ``EngineSpec`` below; its own flags, if it has any,
 in a light module (argparse only, like ``vime.rollout.engine_flags``).
 """
@@ -19,13 +19,42 @@ from dataclasses import dataclass
 from typing import Any
 
 from vime.backends.registry import resolve
+from vime.rollout.engine_flags import VLLM_GPU_MEMORY_SHARE
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What every engine actor of a run is built with (``vime.ray.engines.EngineActor``).
+
+    The actor reads ``tiny_model`` (``auto`` gives the embedded model the faster engine),
+    ``num_threads`` / ``cpu_cores`` (its process's threads; cores of its own pin it) and
+    ``lora`` (how LoRA syncs reach it); the builders read the rest, ``max_lora_rank``
+    filled in by the actor where the engine serves LoRA itself.
+    ``gpu_memory_utilization``: vLLM's share of its GPU; a run passes
+    ``--rollout-gpu-memory-utilization``, whose default this is.
+    """
+
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    # The longest sequence a rollout makes (what the KV cache must hold); None: the
+    # engine's own choice.
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = VLLM_GPU_MEMORY_SHARE
+    num_threads: int | None = None
+    cpu_cores: tuple[int, ...] | None = None
+    tiny_model: bool = False
+    # A ``vime.weights.lora.EngineLora``, not imported: that module reads the flags
+    # (``vime.config``), which import this registry.
+    lora: Any = None
+    max_lora_rank: int | None = None
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """One rollout engine, each part named by ``module:attribute``.
 
-    ``builder``: ``(checkpoint, options) -> RolloutEngine``, run in the engine's actor.
+    ``builder``: ``(checkpoint, EngineOptions) -> RolloutEngine``, run in the engine's
+    actor.
     ``import_check``: ``() -> str | None``, why the engine cannot start in this process
     (one line), None when it can; ``import_fix``: ``(error) -> str``, how to fix that.
     ``add_flags`` / ``validate``: the engine's own flags (added to every parser, as
@@ -111,7 +140,7 @@ def tensor_parallel_names() -> str:
     return " or ".join(spec.name for spec in ENGINES.values() if spec.tensor_parallel)
 
 
-def build_engine(name: str, checkpoint: str, options: dict[str, Any]) -> Any:
+def build_engine(name: str, checkpoint: str, options: EngineOptions) -> Any:
     """Engine ``name`` serving ``checkpoint`` (imports the engine)."""
     return resolve(get_engine(name).builder)(checkpoint, options)
 
@@ -136,6 +165,12 @@ def flag_adders() -> list[Callable[[Any], None]]:
 def flag_validators() -> list[Callable[[Any], None]]:
     """Every engine's function that checks its own flags and fills in their defaults."""
     return [resolve(spec.validate) for spec in ENGINES.values() if spec.validate]
+
+
+def auto_choices(tiny_model: bool) -> tuple[str, ...]:
+    """Every engine ``auto`` may choose (``resolve_engine``), known without importing one:
+    what the flags can promise of it while parsing."""
+    return (FALLBACK_ENGINE,) if tiny_model else AUTO_ORDER
 
 
 def resolve_engine(

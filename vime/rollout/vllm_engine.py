@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from vime import device as vime_device
-from vime.rollout.engine_flags import VLLM_LORA_RANKS
+from vime.rollout.engine_flags import VLLM_GPU_MEMORY_SHARE, VLLM_LORA_RANKS
 from vime.rollout.step_gate import StepGate
 from vime.rollout.types import MEMORY_TAGS, Completion, SamplingParams, wake_tags
 
@@ -310,7 +310,7 @@ class VLLMEngine:
         *,
         tensor_parallel_size: int = 1,
         dtype: str = "auto",
-        gpu_memory_utilization: float = 0.5,
+        gpu_memory_utilization: float = VLLM_GPU_MEMORY_SHARE,
         enable_sleep_mode: bool | None = None,
         seed: int = 0,
         max_model_len: int | None = None,
