@@ -52,6 +52,7 @@ mostly wait for each other; callers that share cores may want
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -269,6 +270,47 @@ def _expand_cache(cache: Any, to_row: torch.Tensor, capacity: int) -> None:
             layer.batch_select_indices(to_row)
 
 
+@dataclass
+class _Prefilled:
+    """A batch of rows after its prefill, what its decode starts from (``_prefill``)."""
+
+    cache: Any
+    logits: torch.Tensor  # [rows, vocab]: the logits token 0 is sampled from
+    mask: torch.Tensor  # [rows, width + max_new]: the whole decode's attention mask
+    next_pos: torch.Tensor  # [rows, 1]: the position of token 0, less ``width``
+    width: int  # the longest prompt's length: the prompts are left-padded to it
+    vocab: int  # the model's logits' width
+    versions: list[int]  # the weight version each step's forward ran at, in order
+
+
+def _completions(
+    prompts: list[list[int]],
+    rows: list[tuple[int, int]],
+    tokens: torch.Tensor,
+    log_probs: torch.Tensor,
+    is_stop: torch.Tensor,
+    steps: int,
+    versions: list[int],
+) -> list[Completion]:
+    """The rows' completions: a row's response runs to its first stop token (later tokens
+    of a finished row that rode along are ignored), or to the last step."""
+    stop_at = is_stop[tokens[:, :steps]]
+    stopped = stop_at.any(-1)
+    lengths = torch.where(stopped, stop_at.int().argmax(-1) + 1, steps)
+    tokens_l, logp_l = tokens.tolist(), log_probs.tolist()
+    lengths_l, stopped_l = lengths.tolist(), stopped.tolist()
+    return [
+        Completion(
+            prompt_ids=list(prompts[i]),
+            response_ids=tokens_l[r][: lengths_l[r]],
+            log_probs=logp_l[r][: lengths_l[r]],
+            finish_reason="stop" if stopped_l[r] else "length",
+            weight_versions=(versions[0], versions[max(0, lengths_l[r] - 1)]),
+        )
+        for r, (i, _) in enumerate(rows)
+    ]
+
+
 class HFEngine:
     """``RolloutEngine`` over an HF causal-LM checkpoint (see the module docstring)."""
 
@@ -365,10 +407,30 @@ class HFEngine:
         params: SamplingParams,
         seed: int,
     ) -> list[Completion]:
-        dev = self.device
-        num_rows, max_new = len(rows), params.max_new_tokens
-        if max_new == 0:
+        if params.max_new_tokens == 0:
             return [Completion(list(prompts[i]), [], [], "length") for i, _ in rows]
+        batch = self._prefill(prompts, rows, params.max_new_tokens)
+        keys = None
+        if params.temperature != 0:
+            prompt_index = torch.tensor([params.prompt_index(i) for i, _ in rows])
+            keys = row_keys(seed, prompt_index, torch.tensor([j for _, j in rows]))
+            keys = keys.to(self.device)
+        # A lookup table rather than ``isin``: one gather a step. Ids the model cannot emit
+        # cannot stop it either.
+        is_stop = torch.zeros(max(self.vocab_size, batch.vocab), dtype=torch.bool)
+        for t in self.eos_token_ids | set(params.stop_token_ids):
+            if 0 <= t < len(is_stop):
+                is_stop[t] = True
+        is_stop = is_stop.to(self.device)
+        tokens, log_probs, steps = self._decode(batch, params, keys, is_stop)
+        return _completions(prompts, rows, tokens, log_probs, is_stop, steps, batch.versions)
+
+    def _prefill(
+        self, prompts: list[list[int]], rows: list[tuple[int, int]], max_new: int
+    ) -> _Prefilled:
+        """Prefill the rows' distinct prompts once (left-padded), copy each one's cache to
+        the rows that sample from it, and make the decode's whole attention mask."""
+        dev = self.device
         distinct = list(dict.fromkeys(i for i, _ in rows))
         slot = {p: k for k, p in enumerate(distinct)}
         width = max(len(prompts[p]) for p in distinct)
@@ -399,29 +461,34 @@ class HFEngine:
         cache = out.past_key_values
         # The last token sampled is never fed back: width + max_new - 1 positions at most.
         _expand_cache(cache, to_row, width + max_new - 1)
-        logits = out.logits[:, -1].index_select(0, to_row)
         # One mask for the whole decode, the columns of the steps to come already 1: each
         # step passes a view of its first columns (no per-step concatenation).
         mask = mask.index_select(0, to_row)
-        next_pos = mask.sum(-1, keepdim=True) - max_new
+        return _Prefilled(
+            cache=cache,
+            logits=out.logits[:, -1].index_select(0, to_row),
+            mask=mask,
+            next_pos=mask.sum(-1, keepdim=True) - max_new,
+            width=width,
+            vocab=out.logits.shape[-1],
+            versions=versions,
+        )
 
-        keys = None
-        if params.temperature != 0:
-            prompt_index = torch.tensor([params.prompt_index(i) for i, _ in rows])
-            keys = row_keys(seed, prompt_index, torch.tensor([j for _, j in rows])).to(dev)
-        # A lookup table rather than ``isin``: one gather a step. Ids the model cannot emit
-        # cannot stop it either.
-        is_stop = torch.zeros(max(self.vocab_size, out.logits.shape[-1]), dtype=torch.bool)
-        for t in self.eos_token_ids | set(params.stop_token_ids):
-            if 0 <= t < len(is_stop):
-                is_stop[t] = True
-        is_stop = is_stop.to(dev)
+    def _decode(
+        self,
+        batch: _Prefilled,
+        params: SamplingParams,
+        keys: torch.Tensor | None,
+        is_stop: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Sample every row's tokens one step at a time: ``(tokens, log_probs, steps)``,
+        ``[rows, max_new_tokens]`` each, of which the first ``steps`` columns were made."""
+        dev, max_new, num_rows = self.device, params.max_new_tokens, batch.logits.shape[0]
         tokens = torch.zeros((num_rows, max_new), dtype=torch.long, device=dev)
         log_probs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=dev)
         live: torch.Tensor | None = None  # original row of each batch row; None: all, in order
         done = torch.zeros(num_rows, dtype=torch.bool, device=dev)  # per batch row
-        u_block = None
-        steps = max_new
+        logits, mask, next_pos, u_block = batch.logits, batch.mask, batch.next_pos, None
         for step in range(max_new):
             if keys is not None and step % _BLOCK_STEPS == 0:
                 block_keys = keys if live is None else keys.index_select(0, live)
@@ -437,8 +504,7 @@ class HFEngine:
                 break
             finished = int(done.sum())
             if finished == done.numel():
-                steps = step + 1
-                break
+                return tokens, log_probs, step + 1
             # Finished rows ride along (their tokens are ignored) until dropping them pays:
             # a drop copies the whole cache.
             if finished * _DROP_FRACTION >= done.numel():
@@ -448,35 +514,18 @@ class HFEngine:
                 done = done[keep]
                 if u_block is not None:
                     u_block = u_block[keep]
-                cache.batch_select_indices(keep)
+                batch.cache.batch_select_indices(keep)
             with profiling.span("decode", rows=int(tok.shape[0])), self.gate.step():
-                versions.append(self.weight_version)
+                batch.versions.append(self.weight_version)
                 out = self.model(
                     input_ids=tok.unsqueeze(-1),
-                    attention_mask=mask[:, : width + step + 1],
+                    attention_mask=mask[:, : batch.width + step + 1],
                     position_ids=next_pos + step,
-                    past_key_values=cache,
+                    past_key_values=batch.cache,
                     use_cache=True,
                 )
             logits = out.logits[:, -1]
-
-        # A row's response runs to its first stop token (later tokens of a finished row
-        # that rode along are ignored), or to the last step.
-        stop_at = is_stop[tokens[:, :steps]]
-        stopped = stop_at.any(-1)
-        lengths = torch.where(stopped, stop_at.int().argmax(-1) + 1, steps)
-        tokens_l, logp_l = tokens.tolist(), log_probs.tolist()
-        lengths_l, stopped_l = lengths.tolist(), stopped.tolist()
-        return [
-            Completion(
-                prompt_ids=list(prompts[i]),
-                response_ids=tokens_l[r][: lengths_l[r]],
-                log_probs=logp_l[r][: lengths_l[r]],
-                finish_reason="stop" if stopped_l[r] else "length",
-                weight_versions=(versions[0], versions[max(0, lengths_l[r] - 1)]),
-            )
-            for r, (i, _) in enumerate(rows)
-        ]
+        return tokens, log_probs, max_new
 
     @staticmethod
     def _sample(

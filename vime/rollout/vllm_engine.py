@@ -299,6 +299,72 @@ class _PreservedGlobalRng:
         vime_device.set_cuda_rng_states(self._cuda)
 
 
+def _prepare_env(on_cuda: bool, tensor_parallel_size: int) -> None:
+    """The environment vLLM reads as it starts: the CPU build's, or on CUDA an in-process
+    engine where it has one worker, spawned children and the Ray they join otherwise."""
+    if not on_cuda:
+        _prepare_cpu_env()
+    else:
+        if tensor_parallel_size == 1:
+            # In-process, as on the CPU: new weights reach the one worker as a lazy
+            # iterator over the buckets (on the GPU for NCCL and CUDA IPC), not as
+            # host copies written to files for another process to read.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # torch.cuda.is_available() (in _on_cuda) poisons fork, and vLLM forks its
+        # engine and worker processes unless CUDA is already initialised: a child
+        # would fail with "Cannot re-initialize CUDA in forked subprocess".
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        _children_join_this_ray()
+    # vLLM logs at INFO per request batch and weight reload; a run's console is for
+    # the progress line. VLLM_LOGGING_LEVEL=INFO brings it back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _start_llm(checkpoint: str, on_cuda: bool, **options: Any) -> Any:
+    """``vllm.LLM`` on ``checkpoint`` with ``options`` and what every vime engine runs
+    with: token ids in (no tokenizer), processed log-probs out, vime's worker extension;
+    the caller's RNG state kept, and vLLM's expected start-up warnings quiet."""
+    import vllm
+
+    _quiet_expected_warnings(on_cuda)
+    with _PreservedGlobalRng():
+        return vllm.LLM(
+            model=checkpoint,
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=_WORKER_EXTENSION,
+            use_tqdm_on_load=False,
+            **options,
+        )
+
+
+def _runs_in_process(llm: Any) -> bool:
+    """Whether ``llm``'s one worker runs in this process (an in-process, uniprocess
+    engine): Python objects (the lazy weights iterator) then reach it unserialised."""
+    core = type(llm.llm_engine.engine_core).__name__
+    executor = llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
+    return core == "InprocClient" and executor == "uni"
+
+
+def _completion(prompt: list[int], request_output: Any, oldest: int, newest: int) -> Completion:
+    """The ``Completion`` of a finished one-sample request, its versions ``(oldest,
+    newest)``."""
+    out = request_output.outputs[0]
+    response = list(out.token_ids)
+    steps = zip(out.logprobs, response, strict=True)
+    log_probs = [step[token].logprob for step, token in steps]
+    if out.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM request ended with {out.finish_reason!r}")
+    return Completion(
+        prompt_ids=list(prompt),
+        response_ids=response,
+        log_probs=log_probs,
+        finish_reason=out.finish_reason,
+        extra={"weight_version": newest},
+        weight_versions=(oldest, newest),
+    )
+
+
 class VLLMEngine:
     """A ``RolloutEngine`` backed by ``vllm.LLM`` (prompts are token ids: no tokenizer)."""
 
@@ -330,19 +396,7 @@ class VLLMEngine:
         the weights (``load_adapter``); None: no LoRA.
         """
         on_cuda = _on_cuda()
-        if not on_cuda:
-            _prepare_cpu_env()
-        else:
-            if tensor_parallel_size == 1:
-                # In-process, as on the CPU: new weights reach the one worker as a lazy
-                # iterator over the buckets (on the GPU for NCCL and CUDA IPC), not as
-                # host copies written to files for another process to read.
-                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            # torch.cuda.is_available() (in _on_cuda) poisons fork, and vLLM forks its
-            # engine and worker processes unless CUDA is already initialised: a child
-            # would fail with "Cannot re-initialize CUDA in forked subprocess".
-            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-            _children_join_this_ray()
+        _prepare_env(on_cuda, tensor_parallel_size)
         self.sleep_mode = on_cuda if enable_sleep_mode is None else enable_sleep_mode
         self.checkpoint = str(checkpoint)
         self.weight_version = 0
@@ -352,6 +406,30 @@ class VLLMEngine:
         # The MEMORY_TAGS parts asleep. Kept without sleep mode too (CPU), where nothing is
         # freed, so that using a sleeping engine fails on every device, not just on a GPU.
         self._sleeping: set[str] = set()
+        self._lora_enabled = max_lora_rank is not None
+        self._adapter: Any = None  # the LoRARequest new requests are served with, or None
+        self._start_bookkeeping()
+        self._llm = _start_llm(
+            self.checkpoint,
+            on_cuda,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_mode,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=not on_cuda if enforce_eager is None else enforce_eager,
+            **_lora_options(max_lora_rank),
+        )
+        # vLLM's CPU attention plans for the intra-op thread count the engine was built
+        # with and refuses to run on another; torch's count is per thread, and calls come
+        # from other threads (an actor's thread pools, a probe's scoring thread).
+        self._threads = torch.get_num_threads()
+        self._in_process = _runs_in_process(self._llm)
+
+    def _start_bookkeeping(self) -> None:
+        """What lets calls from several threads share the engine (see the module
+        docstring): the gates, and the requests and loads counted."""
         # Each engine step and each whole weight load: a load lands between two steps.
         self.gate = StepGate()
         # Finished outputs of requests some other caller's step finished (generate and
@@ -361,44 +439,10 @@ class VLLMEngine:
         # Weight loads begun: the prefix-cache salt of the requests added after them.
         self._loads = 0
         self._score_lock = threading.Lock()  # one temperature at a time for prompt logits
-        self._lora_enabled = max_lora_rank is not None
-        self._adapter: Any = None  # the LoRARequest new requests are served with, or None
         # Whole calls: generations may overlap each other, a score runs alone and goes
         # before the next generation (a score sharing a generation's engine steps could
         # leave that generation stepping for ever: seen once in CI).
         self._calls = StepGate()
-        # vLLM logs at INFO per request batch and weight reload; a run's console is for
-        # the progress line. VLLM_LOGGING_LEVEL=INFO brings it back.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-        import vllm
-
-        _quiet_expected_warnings(on_cuda)
-        with _PreservedGlobalRng():
-            self._llm = vllm.LLM(
-                model=self.checkpoint,
-                skip_tokenizer_init=True,
-                tensor_parallel_size=tensor_parallel_size,
-                dtype=dtype,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_sleep_mode=self.sleep_mode,
-                seed=seed,
-                max_model_len=max_model_len,
-                logprobs_mode="processed_logprobs",
-                worker_extension_cls=_WORKER_EXTENSION,
-                enforce_eager=not on_cuda if enforce_eager is None else enforce_eager,
-                use_tqdm_on_load=False,
-                **_lora_options(max_lora_rank),
-            )
-        # vLLM's CPU attention plans for the intra-op thread count the engine was built
-        # with and refuses to run on another; torch's count is per thread, and calls come
-        # from other threads (an actor's thread pools, a probe's scoring thread).
-        self._threads = torch.get_num_threads()
-        # A uniprocess in-process engine runs the worker in this process: Python
-        # objects (the lazy weights iterator) reach it without serialisation.
-        core = type(self._llm.llm_engine.engine_core).__name__
-        executor = self._llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
-        self._in_process = core == "InprocClient" and executor == "uni"
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions for each prompt, in prompt order.
@@ -418,13 +462,26 @@ class VLLMEngine:
         the steps taken here (async scheduling, its default with CUDA; an engine core
         in processes of its own, tensor parallel).
         """
-        from vllm import SamplingParams as VllmSamplingParams
-
         self._same_threads()
         self._check_awake(MEMORY_TAGS)
         if params.n < 1:
             raise ValueError(f"n must be >= 1, got {params.n}")
         base = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        requests = self._requests(prompts, params, base)
+        results: list[list[Completion]] = [[] for _ in prompts]
+        with self._calls.step():
+            ran = self._run(requests)
+        for k, (request_output, oldest, newest) in enumerate(ran):
+            i = k // params.n
+            results[i].append(_completion(prompts[i], request_output, oldest, newest))
+        return results
+
+    def _requests(
+        self, prompts: list[list[int]], params: SamplingParams, base: int
+    ) -> list[tuple[list[int], Any]]:
+        """One vLLM request a completion, seeded by ``base`` and its prompt and sample."""
+        from vllm import SamplingParams as VllmSamplingParams
+
         stop = list(dict.fromkeys([*params.stop_token_ids, *self._eos]))
         requests: list[tuple[list[int], Any]] = []
         for i, prompt in enumerate(prompts):
@@ -441,28 +498,7 @@ class VLLMEngine:
                     detokenize=False,
                 )
                 requests.append((list(prompt), sampling))
-        results: list[list[Completion]] = [[] for _ in prompts]
-        with self._calls.step():
-            ran = self._run(requests)
-        for k, (request_output, oldest, newest) in enumerate(ran):
-            i = k // params.n
-            out = request_output.outputs[0]
-            response = list(out.token_ids)
-            steps = zip(out.logprobs, response, strict=True)
-            log_probs = [step[token].logprob for step, token in steps]
-            if out.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM request ended with {out.finish_reason!r}")
-            results[i].append(
-                Completion(
-                    prompt_ids=list(prompts[i]),
-                    response_ids=response,
-                    log_probs=log_probs,
-                    finish_reason=out.finish_reason,
-                    extra={"weight_version": newest},
-                    weight_versions=(oldest, newest),
-                )
-            )
-        return results
+        return requests
 
     def _run(self, requests: list[tuple[list[int], Any]]) -> list[tuple[Any, int, int]]:
         """Add ``(prompt ids, vLLM SamplingParams)`` requests and step the engine until all
@@ -474,9 +510,6 @@ class VLLMEngine:
         keeps the outputs it finished for their owner in ``self._finished``. On an error
         the requests still in the engine are aborted.
         """
-        from vllm.inputs import tokens_input
-        from vllm.sampling_params import RequestOutputKind
-
         if not requests:
             return []
         engine = self._llm.llm_engine
@@ -485,39 +518,13 @@ class VLLMEngine:
         done: dict[str, tuple[Any, int]] = {}
         oldest = -1
         try:
-            while True:
+            while oldest < 0 or pending:
                 with self.gate.step():
                     self._check_awake(MEMORY_TAGS)
                     if oldest < 0:  # added with the first step, at the version it runs
                         oldest = self.weight_version
-                        salt = f"vime-load-{self._loads}"  # no prefix cached by older weights
-                        for request_id, (prompt, sampling) in zip(ids, requests, strict=True):
-                            sampling.output_kind = RequestOutputKind.FINAL_ONLY
-                            prompt_input = tokens_input(prompt, cache_salt=salt)
-                            engine.add_request(
-                                request_id, prompt_input, sampling, lora_request=self._adapter
-                            )
-                            pending.add(request_id)
-                    if self._finished:  # finished in another caller's steps
-                        for request_id in pending & self._finished.keys():
-                            done[request_id] = self._finished.pop(request_id)
-                        pending -= done.keys()
-                    if not pending:
-                        break
-                    if not engine.has_unfinished_requests():
-                        raise RuntimeError(f"vLLM lost {len(pending)} request(s) unfinished")
-                    outputs = engine.step()
-                    version = self.weight_version
-                    for output in outputs:
-                        if not output.finished:
-                            continue
-                        if output.request_id in pending:
-                            pending.discard(output.request_id)
-                            done[output.request_id] = (output, version)
-                        else:
-                            self._finished[output.request_id] = (output, version)
-                    if not pending:
-                        break
+                        self._add_requests(engine, ids, requests, pending)
+                    self._step(engine, pending, done)
         except BaseException:
             if pending:
                 with self.gate.step():
@@ -526,6 +533,47 @@ class VLLMEngine:
                         self._finished.pop(request_id, None)
             raise
         return [(done[r][0], oldest, done[r][1]) for r in ids]
+
+    def _add_requests(
+        self,
+        engine: Any,
+        ids: list[str],
+        requests: list[tuple[list[int], Any]],
+        pending: set[str],
+    ) -> None:
+        """Add ``requests`` to the engine under ``ids``, each into ``pending`` once added."""
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        salt = f"vime-load-{self._loads}"  # no prefix cached by older weights
+        for request_id, (prompt, sampling) in zip(ids, requests, strict=True):
+            sampling.output_kind = RequestOutputKind.FINAL_ONLY
+            prompt_input = tokens_input(prompt, cache_salt=salt)
+            engine.add_request(request_id, prompt_input, sampling, lora_request=self._adapter)
+            pending.add(request_id)
+
+    def _step(self, engine: Any, pending: set[str], done: dict[str, tuple[Any, int]]) -> None:
+        """Move the ``pending`` requests that finished to ``done``, with the version of the
+        step that finished them: those another caller's steps finished, then, while any is
+        left, those of one engine step (another caller's it keeps in ``self._finished``)."""
+        if self._finished:  # finished in another caller's steps
+            for request_id in pending & self._finished.keys():
+                done[request_id] = self._finished.pop(request_id)
+            pending.difference_update(done.keys())
+        if not pending:
+            return
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"vLLM lost {len(pending)} request(s) unfinished")
+        outputs = engine.step()
+        version = self.weight_version
+        for output in outputs:
+            if not output.finished:
+                continue
+            if output.request_id in pending:
+                pending.discard(output.request_id)
+                done[output.request_id] = (output, version)
+            else:
+                self._finished[output.request_id] = (output, version)
 
     def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
         """Log-probs at ``temperature`` of ``token_ids[prompt_len:]`` given what precedes each.
