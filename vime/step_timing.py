@@ -1,7 +1,7 @@
 """Per-rollout timing on the driver: phase times, idle fractions, MFU, and the trace.
 
-Where it fits: ``vime.trainer.Run`` owns one ``StepTiming``. ``Run.step`` opens it
-with ``begin``, wraps its phases in ``phase(name)`` and ends with
+Where it fits: ``vime.setup.run`` builds one ``StepTiming`` for ``vime.trainer.Run``.
+``Run.step`` opens it with ``begin``, wraps its phases in ``phase(name)`` and ends with
 ``step_metrics(lengths)``, which drains the spans the ranks and engines recorded
 (``vime.profiling``) and returns the step's ``phase/*`` and ``perf/*`` metrics; the
 loop calls ``end`` once the rollout's line is logged and its checkpoint saved. For a

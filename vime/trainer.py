@@ -1,64 +1,31 @@
 """The GRPO loop: rollout -> reward -> advantage -> train -> weight sync -> save -> log.
 
-Where it fits: ``vime.cli`` parses and validates the flags and calls ``run``.
-Everything here is sequencing; the parts live elsewhere: prompts and tasks in
-``vime.data``, generation and rewards in ``vime.rollout``, placement in
-``vime.ray``, the backends behind ``vime.backends.registry``, metrics in
-``vime.tracking``. ``Run`` builds them once; ``Run.step`` is one rollout. With
-``--max-staleness`` >= 1 a rollout's batch comes from ``RolloutProducer``, which
-keeps the engines generating in a thread of its own; the steps are the same.
+Where it fits: ``vime.cli`` parses and validates the flags and calls ``run``, which
+builds the run's parts (``vime.setup``: data, Ray and placement, the training ranks,
+the engines, the rollout source, the weight transport, timing and tracker) and hands
+them to ``Run``, the loop, which builds nothing: ``Run.step`` is one rollout,
+``Run.train`` all of them. With ``--max-staleness`` >= 1 a rollout's batch comes from
+``RolloutProducer``, which keeps the engines generating in a thread of its own; the
+steps are the same.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
-import time
 from typing import Any
 
 import ray
 
 from vime import perf
 from vime.config.parser import Config
-from vime.config.settings import build_settings
-from vime.config.validate import check_cluster_devices, joins_cluster
 from vime.data.batch import RolloutBatch, TrainSchedule, schedule
-from vime.data.prompts import (
-    PromptSource,
-    builtin_task_of,
-    filter_prompt_lengths,
-    load_prompts,
-    prompts_per_rollout,
-    render_prompt,
-    run_length,
-)
-from vime.errors import ConfigError
-from vime.profiling import PhaseClock, TimedCalls
-from vime.ray.cluster import cluster_gpus, start_ray, stop_ray
-from vime.ray.engines import EngineGroup
+from vime.ray.cluster import stop_ray
 from vime.ray.errors import ActorFailure, Terminated, wait_all
-from vime.ray.placement import layout_of, reserve, split_cores
-from vime.ray.train_group import RayTrainGroup
-from vime.ray.transports import make_transport
-from vime.ray.turns import DeviceTurns
-from vime.rollout import registry as engine_registry
-from vime.rollout.manager import DataExhausted, RolloutManager
-from vime.rollout.producer import ProducerSettings, RolloutProducer
-from vime.rollout.rewards import build_reward_scorer, reward_needs_label
-from vime.rollout.tool_loop import build_agent, check_tool_format
-from vime.rollout.tools import load_tools
-from vime.step_timing import StepTiming
-from vime.tracking import Tracker, default_output_dir, quiet_library_progress_bars
-from vime.weights.lora import engine_lora
-
-EMBEDDED_MODEL_DIR = "embedded_model"
-TRACE_FILE = "trace.json"
-# The start-up line's words for each engine-side LoRA receiver (vime.weights.lora).
-_LORA_RECEIVERS = {
-    "AdapterLoader": "as adapters the engine serves itself (the base once)",
-    "AdapterMerger": "as adapters merged on the engine (the base once)",
-}
+from vime.rollout.manager import DataExhausted
+from vime.setup.parts import RunParts, UpdateSettings
+from vime.setup.run import build_run
+from vime.tracking import default_output_dir, quiet_library_progress_bars
 
 
 def run(args: Config, *, startup: perf.StartupClock | None = None) -> dict[str, Any]:
@@ -70,16 +37,17 @@ def run(args: Config, *, startup: perf.StartupClock | None = None) -> dict[str, 
     Ray already started), or from this call.
 
     A run that fails while it is being set up (bad data, an unreachable cluster)
-    removes the output folder it created, so a failed start leaves nothing behind.
-    A rank or engine that fails later leaves its whole report in ``error.log`` there.
-    A run that stops early (interrupted, failed) still draws ``progress.png`` from the
-    rollouts logged and writes ``summary.json`` with its ``status``.
+    releases what it built and removes the output folder it created, so a failed start
+    leaves nothing behind. A rank or engine that fails later leaves its whole report in
+    ``error.log`` there. A run that stops early (interrupted, failed) still draws
+    ``progress.png`` from the rollouts logged and writes ``summary.json`` with its
+    ``status``.
     """
     quiet_library_progress_bars()
     args = args.replace(output_dir=args.output_dir or default_output_dir())
     created = not os.path.exists(args.output_dir)
     try:
-        session = Run(args, startup)
+        session = Run(build_run(args, startup))
     except BaseException:
         if created:
             shutil.rmtree(args.output_dir, ignore_errors=True)
@@ -96,200 +64,32 @@ def run(args: Config, *, startup: perf.StartupClock | None = None) -> dict[str, 
         raise failure.logged_to(os.path.join(args.output_dir, "error.log")) from failure
     finally:
         session.close(status)
+        if ray.is_initialized():  # started here, or by vime-train for the run
+            stop_ray()
 
 
 class Run:
-    """One training run: owns the Ray actors, the data position and the tracker."""
+    """One training run's loop over the parts ``vime.setup.run.build_run`` built."""
 
-    def __init__(self, args: Config, startup: perf.StartupClock | None = None) -> None:
-        # The start-up's parts, timed as they run (reported when the first rollout starts).
-        self.startup = startup = startup or perf.StartupClock()
-        output_dir = args.output_dir or default_output_dir()
-        os.makedirs(output_dir, exist_ok=True)
-        self.output_dir = output_dir
-        # Each component's settings (what the resolving below changes, none of them reads).
-        self.settings = settings = build_settings(args.replace(output_dir=output_dir))
-        self.embedded = args.hf_checkpoint is None
-        checkpoint_dir = args.hf_checkpoint or _embedded_checkpoint(output_dir, args.seed)
-        self.log(f"vime: model {checkpoint_dir}")
-        self.tokenizer = _tokenizer(checkpoint_dir, embedded=self.embedded)
-        task_name = builtin_task_of(args.prompt_data or "")
-        self.task = _task(task_name)
-        # Multi-turn rollouts: the tools, shown to the model in its prompts, and read from
-        # its turns by --tool-parser, whose fit to the tokenizer is known only now.
-        if args.tools:
-            check_tool_format(settings.agent, self.tokenizer)
-        self.toolbox = load_tools(args.tools) if args.tools else None
-        train_prompts, self.prompt_ids, dropped = self._prompts(args, args.prompt_data)
-        source = PromptSource(train_prompts, num_epoch=args.num_epoch, seed=args.seed)
-        # Over-sampling draws more prompts a rollout: the run is as long as the data feeds.
-        per_rollout = prompts_per_rollout(args.rollout_batch_size, args.over_sampling_factor)
-        num_rollout = run_length(source, per_rollout, args.num_rollout)
-        # Resolved once here so every process sees the same values (the LR schedule needs
-        # the run length; the actors need the checkpoint the embedded default wrote).
-        self.args = args = args.replace(
-            hf_checkpoint=checkpoint_dir,
-            num_rollout=num_rollout,
-            output_dir=output_dir,
-            save_hf=args.save_hf or (os.path.join(output_dir, "model") if self.embedded else None),
-        )
-        self.eval_prompts = None
-        # Prompts over --rollout-max-prompt-len, as recorded in metrics.jsonl and summary.json.
-        self.dropped = {"data/prompts_dropped": float(dropped)}
-        if args.eval_prompt_data:
-            self.eval_prompts, self.eval_ids, eval_dropped = self._prompts(
-                args, args.eval_prompt_data
-            )
-            self.dropped["data/eval_prompts_dropped"] = float(eval_dropped)
-        self.scorer = build_reward_scorer(
-            settings.rewards,
-            self.task.reward if self.task else None,
-            task_reads_trajectory=bool(self.task and self.task.reads_trajectory),
-            hook_args=args,
-        )
-        startup.mark("model")  # the checkpoint, the tokenizer, the prompts, the reward
-
-        # Ray's start (unless vime-train started it already) and the run's placement.
-        start_ray(args.ray_address, layout_of(args, use_gpu=False).num_bundles)
-        # The cluster's devices, not this driver's: a driver on a CPU-only head node still
-        # places the ranks and engines on the workers' GPUs.
-        use_gpu = cluster_gpus() > 0
-        lacking = "none is visible here"
-        if joins_cluster(args):
-            address = args.ray_address or os.environ.get("RAY_ADDRESS")
-            lacking = f"the Ray cluster at {address} has none"
-        check_cluster_devices(args, use_gpu, lacking)
-        layout = layout_of(args, use_gpu)
-        self.placement = reserve(layout)
-        startup.mark("ray")
-        threads = max(1, (os.cpu_count() or 1) // max(1, args.actor_num_gpus_per_node))
-        train_cores, engine_cores = None, None
-        if cpu_split(args, use_gpu):
-            # Both sides work at once: on the CPU each gets cores of its own, as on GPUs.
-            train_cores, engine_cores = split_cores(
-                sorted(os.sched_getaffinity(0)), layout.num_train, layout.num_engines
-            )
-        self.train_group = RayTrainGroup(args.train_backend, self.placement)
-        # The ranks initialise while the engines start; colocated, training goes to sleep
-        # first (DeviceTurns), so the engines wait for it.
-        started = time.time()
-        self.train_group.start_init(args, threads, train_cores)
-        if args.colocate:
-            self.start_rollout = self.train_group.finish_init()
-            startup.mark("trainer")
-        lora = engine_lora(
-            settings.lora,
-            args.update_weight_buffer_size,
-            args.weight_sync,
-            args.vllm_lora,
-        )
-        engine_options = engine_registry.EngineOptions(
-            # The embedded model's matmuls are too small to split over threads: on one it
-            # generates faster (bench/README.md: 0.078 against 0.105 s a rollout, 2 cores).
-            num_threads=1 if self.embedded else (os.cpu_count() or 1),
-            tensor_parallel_size=args.rollout_num_gpus_per_engine,
-            seed=args.seed,
-            # The longest sequence a rollout makes: what the KV cache must hold.
-            max_model_len=args.rollout_max_prompt_len + args.rollout_max_response_len,
-            gpu_memory_utilization=args.rollout_gpu_memory_utilization,
-            tiny_model=self.embedded,  # auto gives it the faster engine (resolve_engine)
-            lora=lora,
-        )
-        self.turns = DeviceTurns(
-            self.train_group,
-            lambda: EngineGroup(
-                args.rollout_engine, checkpoint_dir, self.placement, engine_options, engine_cores
-            ),
-            colocate=args.colocate,
-        )
-        self.engines = self.turns.engines
-        if args.colocate:
-            startup.mark("engines")
-        else:
-            startup.add("engines", time.time() - started)
-            self.start_rollout = self.train_group.finish_init()
-            done_at = min(self.train_group.init_done_at or started, time.time())
-            startup.add("trainer", done_at - started)  # the ranks' clock: clamped to ours
-            startup.together("trainer", "engines")
-        engines = f"{self.engines.kind} ({self.engines.reason}), {layout.num_engines} engine(s)"
-        self.log(f"vime: rollout engine {engines}")
-        if lora is not None:
-            how = _LORA_RECEIVERS[self.engines.lora_receiver]
-            if lora.settings.merge_on_sync or args.weight_sync == "disk":
-                how = "as merged weights, the whole model at every sync"
-            self.log(f"vime: LoRA syncs reach the engines {how}")
-        if engine_cores is not None:  # as the processes see it, not as planned
-            cores = f"training {self.train_group.cpu_cores()}, engines {self.engines.cpu_cores()}"
-            self.log(f"vime: CPU cores split (--cpu-split): {cores}")
-        # The driver's phases, the reward's among them (timed where the manager calls it).
-        clock = PhaseClock()
-        self.manager = RolloutManager(
-            settings.rollout,
-            self.engines,
-            self.tokenizer,
-            TimedCalls(self.scorer, clock, "reward", ["score_sync"]),
-            source,
-            self.prompt_ids,
-            is_correct=self.task.is_correct if self.task else None,
-            warn=self.log,
-            agent=build_agent(settings.agent, self.tokenizer, self.engines, self.toolbox),
-        )
-        pending: list[int] = []
-        if self.start_rollout > 0:
-            position = self._loaded_data_position(args.load)
-            self.manager.load_state_dict(position)
-            pending = position.get("pending", [])
-            if pending and not args.max_staleness:
-                raise ConfigError(
-                    f"--load {args.load}: the checkpoint holds {len(pending)} prompts an "
-                    "asynchronous run had drawn and not trained; resume it with "
-                    "--max-staleness >= 1, so they are generated first"
-                )
-        # Asynchronous rollout (--max-staleness >= 1): generation runs in the producer's
-        # thread and rollouts take their batches from it.
-        self.producer = None
-        if args.max_staleness:
-            self.producer = RolloutProducer(
-                ProducerSettings.for_engines(
-                    settings.rollout, args.max_staleness, layout.num_engines
-                ),
-                self.manager,
-                self.engines,
-                weight_version=self.start_rollout,
-                pending=pending,
-            )
-        self.transport = make_transport(settings.sync, use_gpu, self.train_group, self.engines)
-        self.transport.setup()
-        startup.mark("other")
-        self.timing = StepTiming(
-            self.train_group,
-            self.engines,
-            clock,
-            shape=perf.model_shape(checkpoint_dir),
-            peaks=self.train_group.peaks(),
-            profile_rollouts=args.profile_rollouts,
-            trace_path=os.path.join(output_dir, TRACE_FILE),
-        )
-        startup.mark("peak")
-        peak = f"{self.timing.peak_flops / 1e9:.3g} GFLOP/s"
-        self.log(f"vime: training peak {peak} over all ranks ({self.timing.peak_source})")
-        self.tracker = Tracker(
-            output_dir,
-            num_rollouts=num_rollout,
-            start_rollout=self.start_rollout,
-            use_tensorboard=args.use_tensorboard,
-            use_wandb=args.use_wandb,
-            wandb_project=args.wandb_project,
-            config=vars(args),
-        )
-        self.probe = self._probe_sequence()
+    def __init__(self, parts: RunParts) -> None:
+        self.parts = parts
+        self.settings, self.startup = parts.loop, parts.startup
+        self.output_dir = parts.loop.output_dir
+        self.train_group, self.turns = parts.actors.train_group, parts.actors.turns
+        self.engines = parts.actors.engines
+        self.manager, self.producer = parts.manager, parts.producer
+        self.transport, self.timing, self.tracker = parts.transport, parts.timing, parts.tracker
+        self.eval_prompts, self.eval_ids = parts.prompts.eval_prompts, parts.prompts.eval_ids
+        self.dropped = parts.prompts.dropped
+        self.start_rollout = parts.actors.start_rollout
+        self.probe = _probe_sequence(parts.prompts.ids)
         self._probe_plan: Any = None
         self.last_saved = self.start_rollout - 1  # the checkpoint this run resumed from
 
     # ----- the loop ------------------------------------------------------------------------
 
     def train(self) -> dict[str, Any]:
-        args = self.args
+        loop = self.settings
         if self.start_rollout > 0:  # the engines start from the HF checkpoint, not the resume
             self.startup.mark("other")
             self.turns.weight_sync()
@@ -298,50 +98,31 @@ class Run:
         self._started()
         if self.producer is not None:
             self.producer.start()
-        for rollout_id in range(self.start_rollout, args.num_rollout):
+        for rollout_id in range(self.start_rollout, loop.num_rollout):
             try:
                 metrics = self.step(rollout_id)
             except DataExhausted as end:
                 self.log(f"vime: {end}; stopping after {rollout_id} rollouts")
                 # The last trained rollout is saved, as it would have been at the planned end.
                 last_trained = rollout_id - 1
-                if args.save and self.last_saved < last_trained:
+                if loop.save and self.last_saved < last_trained:
                     self.save(last_trained)
                 break
             self.tracker.log(rollout_id, {**metrics, **self.dropped})
             # After the log: a checkpoint never holds a rollout whose metrics line a stop
             # right after it could lose (a resume keeps the lines before its start).
-            if save_due(rollout_id, args.num_rollout, args.save, args.save_interval):
+            if save_due(rollout_id, loop.num_rollout, loop.save, loop.save_interval):
                 with self.timing.phase("save"):
                     self.save(rollout_id)
             self.timing.end()
         if self.producer is not None:
             self.producer.close()  # what is still generating is not trained
-        summary: dict[str, Any] = {"output_dir": self.output_dir}
-        summary["peak_flops_source"] = self.timing.peak_source
-        if self.timing.traced:
-            summary["trace"] = self.timing.trace_path
-            ids = ",".join(str(i) for i in self.timing.traced)
-            self.log(f"vime: trace of rollout(s) {ids} in {summary['trace']} (ui.perfetto.dev)")
-        summary.update({key.split("/")[-1]: int(n) for key, n in self.dropped.items()})
-        if self.eval_prompts is not None:
-            self.turns.rollout()
-            summary["final_eval"] = self.manager.evaluate(self.eval_prompts, self.eval_ids)
-            self.log(f"vime: final eval {_fmt(summary['final_eval'])}")
-        if args.save_hf:
-            self.turns.train()
-            self.train_group.export_hf(args.save_hf)
-            summary["save_hf"] = args.save_hf
-        if args.save_hf_merged:
-            self.turns.train()
-            self.train_group.export_hf(args.save_hf_merged, merged=True)
-            summary["save_hf_merged"] = args.save_hf_merged
-        summary["status"] = "done"
+        summary = self._finish()
         summary["plot"] = self.tracker.finish(summary)
         return summary
 
     def step(self, rollout_id: int) -> dict[str, float]:
-        args, timing = self.args, self.timing
+        loop, timing = self.settings, self.timing
         timing.begin(rollout_id)
         with timing.phase("rollout"):
             self.turns.rollout()
@@ -351,7 +132,7 @@ class Run:
                 batch, metrics = self.manager.generate(rollout_id)
         with timing.phase("train"):
             self.turns.train()
-            planned = plan_updates(args, batch, rollout_id)
+            planned = plan_updates(loop.updates, batch, rollout_id)
             metrics.update(self.train_group.train(ray.put(planned)))
         with timing.phase("sync"):
             self.turns.weight_sync()
@@ -360,7 +141,7 @@ class Run:
                 self.producer.weights_synced(rollout_id + 1)
         with timing.phase("probe"):
             metrics.update(self._probe_diff())
-        eval_due = args.eval_interval and (rollout_id + 1) % args.eval_interval == 0
+        eval_due = loop.eval_interval and (rollout_id + 1) % loop.eval_interval == 0
         if self.eval_prompts is not None and eval_due:
             with timing.phase("eval"):
                 metrics.update(self.manager.evaluate(self.eval_prompts, self.eval_ids))
@@ -387,6 +168,15 @@ class Run:
             raise RuntimeError(f"engines serve weight versions {versions}, expected {version}")
         return {"weights/version": float(version)}
 
+    def log(self, text: str) -> None:
+        self.tracker.message(text)
+
+    def close(self, status: str = "done") -> None:
+        """Release what the run's builders made (``run`` stops Ray after); a tracker still
+        open (the run stopped early) writes its summary with ``status`` and its plot
+        first."""
+        self.parts.closer.close(status)
+
     # ----- pieces --------------------------------------------------------------------------
 
     def _started(self) -> None:
@@ -398,34 +188,30 @@ class Run:
         self.tracker.log_once(startup.metrics())
         self.tracker.summarize(startup.summary())
 
-    def _prompts(self, args: Config, spec: str) -> tuple[list, dict[int, list[int]], int]:
-        prompts = load_prompts(
-            spec,
-            input_key=args.input_key,
-            label_key=args.label_key,
-            metadata_key=args.metadata_key,
-            seed=args.seed,
-            require_label=reward_needs_label(self.settings.rewards),
-            apply_chat_template=args.apply_chat_template,
-        )
-        tools = self.toolbox.schemas if self.toolbox else None
-        ids = [
-            render_prompt(p.text, self.tokenizer, args.apply_chat_template, tools) for p in prompts
-        ]
-        kept, kept_ids, dropped = filter_prompt_lengths(
-            prompts, ids, args.rollout_max_prompt_len, spec=spec
-        )
-        if dropped:
-            self.log(
-                f"vime: {spec}: dropped {dropped} of {len(prompts)} prompts longer than "
-                f"--rollout-max-prompt-len {args.rollout_max_prompt_len}"
-            )
-        return kept, {p.index: i for p, i in zip(kept, kept_ids, strict=True)}, dropped
-
-    def _probe_sequence(self) -> tuple[list[int], int]:
-        """A fixed sequence (first prompt + a few of its own tokens) both sides score."""
-        prompt = next(iter(self.prompt_ids.values()))
-        return prompt + prompt[: max(1, min(8, len(prompt)))], len(prompt)
+    def _finish(self) -> dict[str, Any]:
+        """After the last rollout: the final eval and the HF exports; the summary."""
+        loop = self.settings
+        summary: dict[str, Any] = {"output_dir": self.output_dir}
+        summary["peak_flops_source"] = self.timing.peak_source
+        if self.timing.traced:
+            summary["trace"] = self.timing.trace_path
+            ids = ",".join(str(i) for i in self.timing.traced)
+            self.log(f"vime: trace of rollout(s) {ids} in {summary['trace']} (ui.perfetto.dev)")
+        summary.update({key.split("/")[-1]: int(n) for key, n in self.dropped.items()})
+        if self.eval_prompts is not None:
+            self.turns.rollout()
+            summary["final_eval"] = self.manager.evaluate(self.eval_prompts, self.eval_ids)
+            self.log(f"vime: final eval {_fmt(summary['final_eval'])}")
+        if loop.save_hf:
+            self.turns.train()
+            self.train_group.export_hf(loop.save_hf)
+            summary["save_hf"] = loop.save_hf
+        if loop.save_hf_merged:
+            self.turns.train()
+            self.train_group.export_hf(loop.save_hf_merged, merged=True)
+            summary["save_hf_merged"] = loop.save_hf_merged
+        summary["status"] = "done"
+        return summary
 
     def _probe_diff(self) -> dict[str, float]:
         """How far the engines' log-probs of the probe are from the trainer's.
@@ -436,16 +222,17 @@ class Run:
         """
         tokens, prompt_len = self.probe
         if self._probe_plan is None:  # the same every rollout: put in the object store once
-            dp, n_resp = self.args.data_parallel_size, len(tokens) - prompt_len
+            dp, n_resp = self.settings.updates.dp_size, len(tokens) - prompt_len
             batch = RolloutBatch([tokens] * dp, [prompt_len] * dp, [[1] * n_resp] * dp, [0.0] * dp)
             plan = schedule(batch, global_batch_size=dp, dp_size=dp, micro_batch_size=1)
             self._probe_plan = ray.put(plan)
         pending = self.train_group.submit("compute_log_probs", self._probe_plan, "actor")
         what = "computing the probe's log-probs"
-        per_rank = wait_all(pending, what) if self.args.colocate else None
+        per_rank = wait_all(pending, what) if self.settings.colocate else None
         self.turns.rollout()
         # Every engine scores it: one that missed an update must not hide behind another.
-        per_engine = self.engines.score(tokens, prompt_len, self.args.rollout_temperature)
+        temperature = self.settings.rollout_temperature
+        per_engine = self.engines.score(tokens, prompt_len, temperature)
         if per_rank is None:
             per_rank = wait_all(pending, what)
         trainer = next(rank[0] for rank in per_rank if 0 in rank).tolist()
@@ -454,57 +241,19 @@ class Run:
         )
         return {"weights/probe_logprob_abs_diff": diff}
 
-    def _loaded_data_position(self, load_dir: str | None) -> dict[str, Any]:
-        extra = self.train_group.loaded_extra()
-        if "data" not in extra:
-            raise ConfigError(
-                f"--load {load_dir}: the checkpoint of rollout {self.start_rollout - 1} holds "
-                "no data position (it was not written by vime-train); start a new run with "
-                "--hf-checkpoint instead"
-            )
-        return extra["data"]
 
-    def log(self, text: str) -> None:
-        tracker = getattr(self, "tracker", None)
-        if tracker is not None:
-            tracker.message(text)
-        else:
-            print(text, flush=True)
-
-    def close(self, status: str = "done") -> None:
-        """Release what the run holds; a tracker still open (the run stopped early) writes
-        its summary with ``status`` and its plot first."""
-        tracker = getattr(self, "tracker", None)
-        if tracker is not None:
-            try:
-                tracker.finish({"status": status})  # a no-op after train() finished it
-            except Exception as err:  # the run's own error is the one to report
-                print(f"vime: could not finish the run's outputs: {err}", file=sys.stderr)
-        producer = getattr(self, "producer", None)
-        if producer is not None:
-            producer.close()  # before the scorer it calls closes
-        scorer = getattr(self, "scorer", None)
-        if scorer is not None:
-            scorer.close()
-        toolbox = getattr(self, "toolbox", None)
-        if toolbox is not None:
-            toolbox.close()
-        if ray.is_initialized():
-            stop_ray()
-
-
-def plan_updates(args: Config, batch: RolloutBatch, rollout_id: int) -> TrainSchedule:
+def plan_updates(settings: UpdateSettings, batch: RolloutBatch, rollout_id: int) -> TrainSchedule:
     """The optimizer steps rollout ``rollout_id``'s ``batch`` is trained as: the planner's
     schedule under the run's batch flags, its samples shuffled first with
     ``--shuffle-updates`` (by ``update_order_seed``)."""
-    shuffle_seed = update_order_seed(args.seed, rollout_id) if args.shuffle_updates else None
+    seed = settings.shuffle_seed
     return schedule(
         batch,
-        global_batch_size=args.global_batch_size,
-        dp_size=args.data_parallel_size,
-        max_tokens_per_gpu=args.max_tokens_per_gpu if args.use_dynamic_batch_size else None,
-        micro_batch_size=args.micro_batch_size,
-        shuffle_seed=shuffle_seed,
+        global_batch_size=settings.global_batch_size,
+        dp_size=settings.dp_size,
+        max_tokens_per_gpu=settings.max_tokens_per_gpu,
+        micro_batch_size=settings.micro_batch_size,
+        shuffle_seed=update_order_seed(seed, rollout_id) if seed is not None else None,
         rollout_id=rollout_id,
     )
 
@@ -523,41 +272,10 @@ def update_order_seed(seed: int, rollout_id: int) -> int:
     return seed * 1_000_003 + rollout_id
 
 
-def _embedded_checkpoint(output_dir: str, seed: int) -> str:
-    from vime.data.tasks import CHARSET
-    from vime.models.embedded import write_embedded_checkpoint
-
-    return write_embedded_checkpoint(
-        os.path.join(output_dir, EMBEDDED_MODEL_DIR), charset=CHARSET, seed=seed
-    )
-
-
-def _tokenizer(checkpoint_dir: str, *, embedded: bool) -> Any:
-    """The checkpoint's tokenizer; the embedded model's without importing transformers'
-    auto classes (seconds of the default run's start)."""
-    if embedded:
-        from vime.models.embedded import load_tokenizer
-
-        return load_tokenizer(checkpoint_dir)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(checkpoint_dir)
-
-
-def _task(name: str | None) -> Any:
-    if name is None:
-        return None
-    from vime.data.tasks import get_task
-
-    return get_task(name)
-
-
-def cpu_split(args: Config, use_gpu: bool) -> bool:
-    """Whether the training ranks and the engines get CPU cores of their own
-    (``--cpu-split``; auto: when both work at once, on a CPU run on this machine)."""
-    if use_gpu or joins_cluster(args) or args.cpu_split == "off":
-        return False
-    return args.cpu_split == "on" or args.max_staleness > 0
+def _probe_sequence(prompt_ids: dict[int, list[int]]) -> tuple[list[int], int]:
+    """A fixed sequence (first prompt + a few of its own tokens) both sides score."""
+    prompt = next(iter(prompt_ids.values()))
+    return prompt + prompt[: max(1, min(8, len(prompt)))], len(prompt)
 
 
 def _fmt(metrics: dict[str, float]) -> str:

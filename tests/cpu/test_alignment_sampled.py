@@ -42,6 +42,7 @@ import ray
 
 from vime.config import flags, parse_args
 from vime.ray.cluster import init_local_ray
+from vime.setup.run import build_run
 from vime.trainer import Run
 
 # Seeds CI runs, chosen so that together they cover every family (test_ci_seeds_cover_...).
@@ -65,12 +66,11 @@ def local_ray():
 
 
 def _release(run: Run) -> None:
-    """What ``Run.close`` does, but Ray stays up for the next run."""
-    run.tracker.finish({"status": "done"})
-    run.scorer.close()
+    """What ``vime.trainer.run`` does after training, but Ray stays up for the next run."""
+    run.close("done")
     for actor in [*run.train_group.workers, *run.engines.actors]:
         ray.kill(actor)
-    ray.util.remove_placement_group(run.placement.group)
+    ray.util.remove_placement_group(run.parts.actors.placement.group)
 
 
 def _train(case: Case, paths: dict[str, str], backend: str, folder: Path) -> dict:
@@ -78,7 +78,9 @@ def _train(case: Case, paths: dict[str, str], backend: str, folder: Path) -> dic
     the sampled batch (the manager's data position put back, so the step draws it again)."""
     from safetensors.torch import load_file
 
-    run = Run(parse_args(argv(case, paths, backend, str(folder / backend)), for_run=True))
+    run = Run(
+        build_run(parse_args(argv(case, paths, backend, str(folder / backend)), for_run=True))
+    )
     try:
         position = run.manager.state_dict()
         batch, _ = run.manager.generate(0)

@@ -55,6 +55,7 @@ from vime.perf import safetensors_shapes
 from vime.ray.transports import weight_transport
 from vime.ray.turns import DeviceTurns
 from vime.rollout.registry import TINY_MODEL_REASON
+from vime.setup.parts import loop_settings
 from vime.trainer import plan_updates, save_due, update_order_seed
 
 REQUIRED = [
@@ -291,7 +292,8 @@ def test_shuffled_updates_are_the_planners_schedule_under_the_update_order_seed(
     samples in each optimizer step than the unshuffled plan (so the flag is not a no-op)
     and another order in another rollout."""
     argv = [*SMALL, "--num-steps-per-rollout", "2"]
-    shuffled, plain = parse_args([*argv, "--shuffle-updates"]), parse_args(argv)
+    shuffled = loop_settings(parse_args([*argv, "--shuffle-updates"])).updates
+    plain = loop_settings(parse_args(argv)).updates
     lengths = [5 + (7 * i) % 11 for i in range(32)]  # 8 prompts x 4 samples
     batch = RolloutBatch(
         tokens=[list(range(n)) for n in lengths],

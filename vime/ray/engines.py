@@ -1,11 +1,12 @@
 """Rollout engines as Ray actors, and the group the rollout manager talks to.
 
-Where it fits: ``vime.trainer`` builds one ``EngineGroup`` on the placement's
-rollout bundles; ``vime.rollout.manager`` asks it for completions; the run's weight
-transport (``vime.ray.transports``) pushes new weights into it, its engine side
-running in each actor (``receive_weights``). Each actor resolves ``--rollout-engine``
-and builds its engine through ``vime.rollout.registry`` (any engine meeting
-``vime.rollout.types.RolloutEngine``) and never sees the training processes.
+Where it fits: ``vime.setup.actors`` builds one ``EngineGroup`` on the placement's
+rollout bundles, from the run's ``EngineOptions``; ``vime.rollout.manager`` asks it
+for completions; the run's weight transport (``vime.ray.transports``) pushes new
+weights into it, its engine side running in each actor (``receive_weights``). Each
+actor resolves ``--rollout-engine`` and builds its engine through
+``vime.rollout.registry`` (any engine meeting ``vime.rollout.types.RolloutEngine``)
+and never sees the training processes.
 
 Timing (``vime.profiling``): each actor records a span around every call that works
 (generate, with the tokens it made; score; each weight load, with the bytes it
