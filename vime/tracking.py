@@ -464,35 +464,8 @@ def plot_progress(records: list[dict[str, Any]], path: str | os.PathLike[str]) -
     FigureCanvasAgg(fig)
     ax_reward, ax_len, ax_time = fig.subplots(3, 1, sharex=True)
 
-    xs, mean = _series(records, REWARD_KEY)
-    ax_reward.plot(xs, mean, color="tab:blue", label="reward mean")
-    bx, lower, upper = reward_band(records)
-    if bx:
-        ax_reward.fill_between(bx, lower, upper, color="tab:blue", alpha=0.2, label="± std")
-    for key, color in zip(EVAL_KEYS, ("tab:red", "tab:green"), strict=True):
-        ex, ey = _series(records, key)
-        if ex:
-            ax_reward.plot(ex, ey, "o", color=color, label=key)
-    ax_reward.set_ylabel("reward")
-    ax_reward.grid(alpha=0.3)
-    if ax_reward.get_legend_handles_labels()[0]:
-        ax_reward.legend(loc="best", fontsize="small")
-
-    lx, ly = _series(records, LENGTH_KEY)
-    ax_len.plot(lx, ly, color="tab:orange")
-    ax_len.set_ylabel("response length (tokens)")
-    ax_len.grid(alpha=0.3)
-    cx, cy = _series(records, CALLING_KEYS[0])
-    if cx:
-        ax_calls = ax_len.twinx()
-        ax_calls.plot(cx, cy, color="tab:purple", label="calling a tool")
-        ex, ey = _series(records, CALLING_KEYS[1])
-        if ex:
-            ax_calls.plot(ex, ey, "o", color="tab:purple", label="eval, greedy")
-        ax_calls.set_ylim(-0.02, 1.02)
-        ax_calls.set_ylabel("share of trajectories calling a tool")
-        ax_calls.legend(loc="best", fontsize="small")
-
+    _plot_reward(ax_reward, records)
+    _plot_lengths(ax_len, records)
     for label, (px, py) in phase_seconds(records).items():
         # Eval runs every --eval-interval rollouts: points, not a line through the gaps.
         ax_time.plot(px, py, "o" if label == "eval" else "-", markersize=3, label=label)
@@ -504,3 +477,38 @@ def plot_progress(records: list[dict[str, Any]], path: str | os.PathLike[str]) -
 
     fig.savefig(path, dpi=100)
     return str(path)
+
+
+def _plot_reward(ax: Any, records: list[dict[str, Any]]) -> None:
+    """Reward mean, its ±std band and the eval points."""
+    xs, mean = _series(records, REWARD_KEY)
+    ax.plot(xs, mean, color="tab:blue", label="reward mean")
+    bx, lower, upper = reward_band(records)
+    if bx:
+        ax.fill_between(bx, lower, upper, color="tab:blue", alpha=0.2, label="± std")
+    for key, color in zip(EVAL_KEYS, ("tab:red", "tab:green"), strict=True):
+        ex, ey = _series(records, key)
+        if ex:
+            ax.plot(ex, ey, "o", color=color, label=key)
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize="small")
+
+
+def _plot_lengths(ax: Any, records: list[dict[str, Any]]) -> None:
+    """Response length, and for tool use the share of trajectories calling a tool."""
+    lx, ly = _series(records, LENGTH_KEY)
+    ax.plot(lx, ly, color="tab:orange")
+    ax.set_ylabel("response length (tokens)")
+    ax.grid(alpha=0.3)
+    cx, cy = _series(records, CALLING_KEYS[0])
+    if cx:
+        ax_calls = ax.twinx()
+        ax_calls.plot(cx, cy, color="tab:purple", label="calling a tool")
+        ex, ey = _series(records, CALLING_KEYS[1])
+        if ex:
+            ax_calls.plot(ex, ey, "o", color="tab:purple", label="eval, greedy")
+        ax_calls.set_ylim(-0.02, 1.02)
+        ax_calls.set_ylabel("share of trajectories calling a tool")
+        ax_calls.legend(loc="best", fontsize="small")
