@@ -22,7 +22,7 @@ from tiny_models import save_tiny, tiny_qwen3_config
 
 from vime.backends.registry import resolve
 from vime.config import build_parser, parse_args
-from vime.config.flags import WEIGHT_SYNC_TRANSPORTS
+from vime.config.rollout_flags import WEIGHT_SYNC_TRANSPORTS
 from vime.config.settings import sync_settings
 from vime.errors import ConfigError
 from vime.ray import transport_names, transports
