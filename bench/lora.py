@@ -2,7 +2,7 @@
 
 Where it fits: the LoRA check of bench/README.md. One random Qwen3 (written to a temp
 HF folder, over 100 M parameters at the default size) and one made-up rollout; two
-``FSDP2Actor``s at world size 1 train it with the same flags (GRPO + k3 KL against
+``fsdp2`` actors at world size 1 train it with the same flags (GRPO + k3 KL against
 the reference, AdamW), one full-weight, one with ``--lora-rank`` adapters on every
 linear projection. Each path reports what it holds, counted from its own tensors:
 parameters, gradients (read just before each optimizer step), AdamW state and the
@@ -93,7 +93,7 @@ def _sync_bytes(actor: Any, bucket_bytes: int) -> int:
 
 def run_path(args: argparse.Namespace, hf_dir: str, batch: Any, lora: bool) -> dict[str, Any]:
     """One actor's figures: held bytes by kind, sync bytes, step times, first-step loss."""
-    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends.policy_actor import make_actor
     from vime.config import parse_args
     from vime.data.batch import schedule
 
@@ -105,7 +105,7 @@ def run_path(args: argparse.Namespace, hf_dir: str, batch: Any, lora: bool) -> d
     )  # --prompt-data only satisfies validation: the rollout here is made up
     if lora:
         flags += f" --lora-rank {args.rank} --lora-alpha {args.alpha}"
-    actor = FSDP2Actor()
+    actor = make_actor("fsdp2")
     actor.init(parse_args(flags.split()))
     sched = schedule(batch, global_batch_size=args.samples, dp_size=1, micro_batch_size=8)
     grad_bytes: list[int] = []
@@ -126,13 +126,13 @@ def run_path(args: argparse.Namespace, hf_dir: str, batch: Any, lora: bool) -> d
     later_sync = _sync_bytes(actor, bucket)
     state = [t for s in actor.optimizer.state.values() for k, t in s.items() if k != "step"]
     held = {
-        "params": _bytes(actor.model.parameters()),
+        "params": _bytes(actor.backend.model.parameters()),
         "grads": max(grad_bytes),
         "optimizer": _bytes(state),
         "reference": _bytes(actor.ref_shards or []),
     }
-    trainable = sum(p.numel() for p in actor.params)
-    total = sum(p.numel() for p in actor.model.parameters())
+    trainable = sum(p.numel() for p in actor.backend.params)
+    total = sum(p.numel() for p in actor.backend.model.parameters())
     del actor
     gc.collect()  # the actor's objects hold cycles: free its memory before the next path
     return {

@@ -3,8 +3,8 @@
 Where it fits: the backends' performance check (bench/README.md). Both paths
 train the same random Qwen3 (written to a temp HF folder) on the same long-tailed
 rollout with the same GRPO token-mean loss, AdamW and clip, one step per rollout:
-vime = the ``--backend`` actor at world size 1 (``FSDP2Actor``: gloo/fp32 on CPU,
-NCCL/bf16 on GPU; ``MegatronActor``: megatron-core local layers, fp32, a
+vime = the ``--backend`` actor at world size 1 (``FSDP2Backend``: gloo/fp32 on CPU,
+NCCL/bf16 on GPU; ``MegatronBackend``: megatron-core local layers, fp32, a
 block-diagonal mask over each packed row) on rows packed under
 ``--max-tokens-per-gpu``; naive = the plain HF model on fixed micro-batches in
 rollout order, right-padded, full-vocabulary log-softmax.
@@ -160,7 +160,7 @@ def make_rollout(args: argparse.Namespace) -> Any:
 
 
 def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, dict]:
-    from vime.backends import registry
+    from vime.backends import policy_actor
     from vime.config import parse_args
     from vime.data.batch import schedule
 
@@ -172,7 +172,7 @@ def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, 
         f"--global-batch-size {args.samples} "
         f"--use-dynamic-batch-size --max-tokens-per-gpu {cap} --prompt-data builtin:reverse"
     )  # --prompt-data only satisfies validation: the rollout here is made up
-    actor = registry.actor_class(args.backend)()
+    actor = policy_actor.make_actor(args.backend)
     actor.init(parse_args(["--hf-checkpoint", hf_dir, *flags.split(), *args.vime_flags.split()]))
     sched = schedule(batch, global_batch_size=args.samples, dp_size=1, max_tokens_per_gpu=cap)
     rows = [mb for step in sched.plan.for_rank(0) for mb in step]
@@ -181,10 +181,10 @@ def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, 
         metrics = actor.train(sched)
         return metrics["train/loss"], metrics["train/grad_norm"]
 
-    hf_config = getattr(actor.model, "config", None)
+    hf_config = getattr(actor.backend.model, "config", None)
     attn = getattr(hf_config, "_attn_implementation", None) or "megatron local, THD per-run"
     # What the rows hold: shared prompts once each (fsdp2 with varlen_sdpa), no padding.
-    share = getattr(actor, "shares_prompts", False)
+    share = getattr(actor.backend, "shares_prompts", False)
     forwarded = sum(batch.pack(mb, share_prompts=share).row_length for mb in rows)
     return step, dict(rows=len(rows), forwarded=forwarded, attn=attn, batching=f"<={cap} tok/row")
 

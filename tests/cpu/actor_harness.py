@@ -148,8 +148,8 @@ PRELOAD = (
     "torch",
     "torch.distributed.checkpoint",
     "transformers",
-    "vime.backends.fsdp2.actor",
-    "vime.backends.megatron.actor",
+    "vime.backends.fsdp2.backend",
+    "vime.backends.megatron.backend",
 )
 
 

@@ -166,9 +166,9 @@ def _flags_of(case: list[str], custom: str) -> list[str]:
 
 def _grads(actor) -> dict[str, torch.Tensor] | None:
     """Full gradients in HF names (fsdp2 only: megatron's are checked through the norm)."""
-    if actor.backend_name != "fsdp2":
+    if actor.backend.name != "fsdp2":
         return None
-    return {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+    return {n: p.grad.full_tensor().clone() for n, p in actor.backend.model.named_parameters()}
 
 
 def _full_weights(actor) -> dict[str, torch.Tensor]:
@@ -191,7 +191,7 @@ def _step(actor, sched, step_index: int, old) -> dict:
     return {
         "loss": float(loss),
         "metrics": metrics.all_reduce().means(),
-        "grad_norm": float(actor.grad_norm()),
+        "grad_norm": float(actor.backend.grad_norm()),
         "grads": _grads(actor),
     }
 
@@ -201,7 +201,7 @@ def scenario_cases(actor, args, cases: dict, custom: str) -> dict:
     is drawn around the actor's log-probs of the moment, so every case is as stale."""
     out = {}
     for name, case in cases.items():
-        flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
+        flags = _base(args.hf_checkpoint, actor.world, actor.backend.name)
         actor.loss_config = loss_settings(parse_args(flags + _flags_of(case, custom)))
         fresh = schedule(
             make_batch(1), global_batch_size=8, dp_size=actor.world, micro_batch_size=2
@@ -223,7 +223,7 @@ def scenario_geometry(actor, args, cases: dict, custom: str) -> dict:
     for kind in GEOMETRY_BATCHES:
         batch, old = _stale_batch(base=make_multiturn_batch(2) if kind == "multiturn" else None)
         for mode in AGG_MODES:
-            flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
+            flags = _base(args.hf_checkpoint, actor.world, actor.backend.name)
             flags += ["--loss-agg-mode", mode, "--use-tis", "--entropy-coef", "0.05"]
             actor.loss_config = loss_settings(parse_args(flags))
             for k, geometry in enumerate(GEOMETRIES):
@@ -239,7 +239,7 @@ def scenario_proximal(actor, args, cases: dict, custom: str) -> dict:
     samples of an asynchronous run are), with the rollout correction on: π_old taken as
     the update's own forward (``old=None``, what ``train`` does with one update per
     rollout) and π_old recomputed by a separate pass first."""
-    flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
+    flags = _base(args.hf_checkpoint, actor.world, actor.backend.name)
     flags += ["--use-tis", "--tis-mode", "truncate", "--max-staleness", "2"]
     actor.loss_config = loss_settings(parse_args(flags))
     batch, _ = _stale_batch()
@@ -294,7 +294,7 @@ def scenario_multiturn(actor, args, cases: dict, custom: str) -> dict:
     out = {}
     tool = make_multiturn_batch(2)
     for name, case in MULTITURN_CASES.items():
-        flags = _base(args.hf_checkpoint, actor.world, actor.backend_name)
+        flags = _base(args.hf_checkpoint, actor.world, actor.backend.name)
         actor.loss_config = loss_settings(parse_args(flags + case))
 
         def plan(batch):
@@ -326,13 +326,13 @@ SCENARIOS = {
 
 def _job(rank: int, world: int, backend: str, scenario: str, args, cases, custom) -> dict:
     if backend == "megatron":
-        from vime.backends.megatron.actor import MegatronActor
+        from vime.backends.policy_actor import make_actor
 
-        actor = MegatronActor()
+        actor = make_actor("megatron")
     else:
-        from vime.backends.fsdp2.actor import FSDP2Actor
+        from vime.backends.policy_actor import make_actor
 
-        actor = FSDP2Actor()
+        actor = make_actor("fsdp2")
     actor.init(args)
     return SCENARIOS[scenario](actor, args, cases, custom)
 

@@ -34,18 +34,16 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def _job(rank: int, world: int, backend: str, args) -> dict:
-    if backend == "megatron":
-        from vime.backends.megatron.actor import MegatronActor as Actor
-    else:
-        from vime.backends.fsdp2.actor import FSDP2Actor as Actor
-    actor = Actor()
+    from vime.backends.policy_actor import make_actor
+
+    actor = make_actor(backend)
     actor.init(args)
     sched = make_schedule(args, 0, world)
     first = actor.compute_log_probs(sched, "actor")
     second = actor.compute_log_probs(sched, "actor")
     actor.train(sched)
     after = {n: t.clone() for bucket in actor.weight_buckets(1 << 16) for n, t in bucket}
-    kept = actor.hf_config.attention_dropout
+    kept = actor.backend.hf_config.attention_dropout
     return {"first": first, "second": second, "after": after, "config_dropout": kept}
 
 

@@ -78,9 +78,9 @@ def bf16_dir(tmp_path_factory) -> str:
 
 
 def _scenario_job(rank: int, world: int, scenario: str, args) -> dict:
-    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends.policy_actor import make_actor
 
-    actor = FSDP2Actor()
+    actor = make_actor("fsdp2")
     start = actor.init(args)
     return SCENARIOS[scenario](actor, args, start)
 
@@ -116,7 +116,7 @@ def scenario_train4(actor, args, start):
     def count(*_):
         forwards[0] += 1
 
-    actor.model.register_forward_pre_hook(count)
+    actor.backend.model.register_forward_pre_hook(count)
     result = scenario_train(actor, args, start, count=4)
     micro = [
         sum(len(m) for m in make_schedule(args, rid, actor.world).plan.for_rank(actor.dp_rank))
@@ -127,7 +127,7 @@ def scenario_train4(actor, args, start):
 
 def _decay_groups(actor) -> list[tuple[float, set[str]]]:
     """The optimizer's groups as (weight decay, parameter names)."""
-    names = {id(p): n for n, p in actor.model.named_parameters()}
+    names = {id(p): n for n, p in actor.backend.model.named_parameters()}
     return [
         (g["weight_decay"], {names[id(p)] for p in g["params"]})
         for g in actor.optimizer.param_groups
@@ -147,7 +147,7 @@ def scenario_logprobs_and_grad(actor, args, start):
     # Old log-probs recomputed at the training geometry: the first update's ratio is exactly 1.
     metrics = MetricAccumulator()
     actor.backward_step(sched, 0, metrics, ref=ref, old=own)
-    grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+    grads = {n: p.grad.full_tensor().clone() for n, p in actor.backend.model.named_parameters()}
     merged = {k: v for part in gathered for k, v in part.items()}
     names, packed = metrics.to_tensor()
     dist.all_reduce(packed)
@@ -156,9 +156,11 @@ def scenario_logprobs_and_grad(actor, args, start):
     # back, every local shard must hold the trained actor again, bit for bit.
     actor.optimizer.zero_grad(set_to_none=True)
     actor.train(sched)
-    before = [p.to_local().clone() for p in actor.params]
+    before = [p.to_local().clone() for p in actor.backend.params]
     ref_after = actor.compute_log_probs(sched, "ref")
-    restored = all(torch.equal(b, p.to_local()) for b, p in zip(before, actor.params, strict=True))
+    restored = all(
+        torch.equal(b, p.to_local()) for b, p in zip(before, actor.backend.params, strict=True)
+    )
     return {
         "logp": merged,
         "grads": grads,
@@ -220,7 +222,7 @@ def scenario_export(actor, args, start):
     actor.train(make_schedule(args, 0, actor.world))
     actor.export_hf(args.save_hf)
     with torch.no_grad():
-        logits = actor.model(**_packed_row(args, actor.world).model_inputs()).logits
+        logits = actor.backend.model(**_packed_row(args, actor.world).model_inputs()).logits
     return {"weights": _full_weights(actor), "logits": logits}
 
 
@@ -228,7 +230,7 @@ def scenario_dtypes(actor, args, start):
     actor.train(make_schedule(args, 0, actor.world))
     actor.export_hf(args.save_hf)
     buckets = {n: t.dtype for bucket in actor.weight_buckets(1 << 16) for n, t in bucket}
-    return {"master": {p.dtype for p in actor.params}, "buckets": buckets}
+    return {"master": {p.dtype for p in actor.backend.params}, "buckets": buckets}
 
 
 SCENARIOS = {
@@ -424,11 +426,11 @@ def test_resume_equals_uninterrupted(hf_dir, two_steps_a_rollout, tmp_path) -> N
 def _unshared_folders_job(rank: int, world: int, hf: str, tmp: str) -> dict:
     """Each rank given a --save, then a --load, of its own: what node-local folders on
     two nodes look like to the ranks (rank 0's folders hold the checkpoint, rank 1's not)."""
-    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends.policy_actor import make_actor
     from vime.checkpoint import CheckpointError
 
     errors = {}
-    actor = FSDP2Actor()
+    actor = make_actor("fsdp2")
     actor.init(actor_args(hf, world, "--save", f"{tmp}/save_rank{rank}"))
     try:
         actor.save(0)
@@ -439,7 +441,7 @@ def _unshared_folders_job(rank: int, world: int, hf: str, tmp: str) -> dict:
     load = f"{tmp}/shared" if rank == 0 else f"{tmp}/empty_rank1"
     Path(load).mkdir(exist_ok=True)
     try:
-        FSDP2Actor().init(actor_args(hf, world, "--load", load))
+        make_actor("fsdp2").init(actor_args(hf, world, "--load", load))
     except CheckpointError as err:
         errors["load"] = str(err)
     return errors

@@ -55,15 +55,15 @@ def _adapters(actor) -> dict[str, torch.Tensor]:
 
     return {
         wire_name(n): p.full_tensor().detach().clone()
-        for n, p in actor.model.named_parameters()
+        for n, p in actor.backend.model.named_parameters()
         if p.requires_grad
     }
 
 
 def _job(rank: int, world: int, scenario: str, args, *extra) -> dict:
-    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends.policy_actor import make_actor
 
-    actor = FSDP2Actor()
+    actor = make_actor("fsdp2")
     start = actor.init(args)
     return SCENARIOS[scenario](actor, args, start, *extra)
 
@@ -75,8 +75,8 @@ def scenario_steps(actor, args, start):
 
     from vime.algo.metrics import MetricAccumulator
 
-    names = {id(p): n for n, p in actor.model.named_parameters()}
-    out: dict = {"trainable": sorted(names[id(p)] for p in actor.params)}
+    names = {id(p): n for n, p in actor.backend.model.named_parameters()}
+    out: dict = {"trainable": sorted(names[id(p)] for p in actor.backend.params)}
     out["ref_copies"] = actor.ref_shards
     sched0 = make_schedule(args, 0, actor.world)
     out["ref_at_start"] = _gathered(actor.compute_log_probs(sched0, "actor"))
@@ -96,7 +96,7 @@ def scenario_steps(actor, args, start):
     actor.backward_step(sched1, 0, MetricAccumulator(), ref=ref, old=own)
     out["grads"] = {
         n: p.grad.full_tensor().clone()
-        for n, p in actor.model.named_parameters()
+        for n, p in actor.backend.model.named_parameters()
         if p.grad is not None
     }
     dist.barrier()
@@ -105,7 +105,7 @@ def scenario_steps(actor, args, start):
     with torch.no_grad():
         row = sched1.batch.pack(next(iter(sched1.plan.steps[0].for_rank(0))))
         out["row"] = row
-        out["logits"] = actor.model(**row.model_inputs()).logits
+        out["logits"] = actor.backend.model(**row.model_inputs()).logits
     return out
 
 
@@ -128,12 +128,12 @@ def scenario_train(actor, args, start, count: int = 2):
 
 def scenario_refused(actor, args, start, other_args):
     """A second actor, another LoRA shape, loading this run's checkpoint."""
-    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends.policy_actor import make_actor
     from vime.checkpoint import CheckpointError
 
     actor.save(0)
     try:
-        FSDP2Actor().init(other_args)
+        make_actor("fsdp2").init(other_args)
     except CheckpointError as err:
         return {"error": str(err)}
     return {"error": None}
@@ -144,11 +144,11 @@ def scenario_bf16(actor, args, start):
     LoRA actor's first forward is the reference's (adapters off), as in a run's first
     train step: FSDP2 must still see the adapters as the parameters that train."""
     sched = make_schedule(args, 0, actor.world)
-    out: dict = {"dtypes": {n: p.dtype for n, p in actor.model.named_parameters()}}
-    if actor.lora.enabled:
+    out: dict = {"dtypes": {n: p.dtype for n, p in actor.backend.model.named_parameters()}}
+    if actor.backend.lora.enabled:
         out["ref_start"] = _gathered(actor.compute_log_probs(sched, "ref"))
     out["start"] = _gathered(actor.compute_log_probs(sched, "actor"))
-    if actor.lora.enabled:
+    if actor.backend.lora.enabled:
         out["metrics"] = actor.train(sched)
         out["ref_after"] = _gathered(actor.compute_log_probs(sched, "ref"))
         out["first_sync"] = {n: t.dtype for b in actor.sync_buckets(BUCKET) for n, t in b}

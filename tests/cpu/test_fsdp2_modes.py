@@ -70,9 +70,9 @@ def hf_dir(tmp_path_factory) -> str:
 
 
 def _actor(args):
-    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends.policy_actor import make_actor
 
-    actor = FSDP2Actor()
+    actor = make_actor("fsdp2")
     start = actor.init(args)
     return actor, start
 
@@ -88,7 +88,7 @@ def _full_weights(actor) -> dict[str, torch.Tensor]:
 def _layout(actor) -> dict[str, dict]:
     """How rank 0 holds each parameter: mesh, placements, local and global shape."""
     out = {}
-    for name, p in actor.model.named_parameters():
+    for name, p in actor.backend.model.named_parameters():
         out[name] = {
             "mesh": tuple(p.device_mesh.shape),
             "dims": p.device_mesh.mesh_dim_names,
@@ -114,7 +114,7 @@ def _step0(actor, sched) -> dict:
     ref = actor.compute_log_probs(sched, "ref")
     calls = [0]
     seen: dict = {}
-    blocks = list(actor.model.model.layers)
+    blocks = list(actor.backend.model.model.layers)
     q_proj = blocks[0].self_attn.q_proj
 
     def count(*_):
@@ -133,12 +133,12 @@ def _step0(actor, sched) -> dict:
     hooks = [b.register_forward_pre_hook(count) for b in blocks]
     hooks.append(blocks[0].register_forward_hook(first_output))
     hooks.append(q_proj.register_forward_pre_hook(weight_in_use))
-    hooks.append(actor.model.register_forward_hook(after_forward))
+    hooks.append(actor.backend.model.register_forward_hook(after_forward))
     actor.backward_step(sched, 0, MetricAccumulator(), ref=ref)
     for h in hooks:
         h.remove()
-    grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
-    seen["grad"] = {p.grad.dtype for p in actor.params}
+    grads = {n: p.grad.full_tensor().clone() for n, p in actor.backend.model.named_parameters()}
+    seen["grad"] = {p.grad.dtype for p in actor.backend.params}
     actor.optimizer.zero_grad(set_to_none=True)
     micro_batches = len(list(sched.plan.steps[0].for_rank(actor.dp_rank)))
     return {
@@ -158,7 +158,7 @@ def job_modes(rank: int, world: int, hf: str) -> dict:
         got = _step0(actor, _sched(0, world))
         actor.train(_sched(0, world))
         got.update(
-            checkpointing=actor.model.is_gradient_checkpointing,
+            checkpointing=actor.backend.model.is_gradient_checkpointing,
             layout=_layout(actor),
             weights=_full_weights(actor),
             master=_master_dtypes(actor),
@@ -208,13 +208,13 @@ def job_replica_sums(rank: int, world: int, hf: str) -> dict:
         ref = actor.compute_log_probs(sched, "ref")
         with _counting_all_reduces() as calls:
             actor.backward_step(sched, 0, MetricAccumulator(), ref=ref)
-        grads = {n: p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
+        grads = {n: p.grad.full_tensor().clone() for n, p in actor.backend.model.named_parameters()}
         actor.optimizer.zero_grad(set_to_none=True)
         actor.train(sched)
         results[mode] = {
             "micro_batches": len(sched.plan.steps[0].for_rank(actor.dp_rank)),
             "all_reduces": len(calls),
-            "groups": sum(isinstance(m, FSDPModule) for m in actor.model.modules()),
+            "groups": sum(isinstance(m, FSDPModule) for m in actor.backend.model.modules()),
             "grads": grads,
             "weights": _full_weights(actor),
         }
@@ -223,7 +223,9 @@ def job_replica_sums(rank: int, world: int, hf: str) -> dict:
 
 def _master_dtypes(actor) -> set[torch.dtype]:
     """The dtypes of the sharded parameters and of every AdamW moment (the master state)."""
-    dtypes = {p.dtype for p in actor.params} | {p.to_local().dtype for p in actor.params}
+    dtypes = {p.dtype for p in actor.backend.params} | {
+        p.to_local().dtype for p in actor.backend.params
+    }
     for state in actor.optimizer.state.values():
         dtypes |= {v.dtype for k, v in state.items() if k != "step"}
     return dtypes
@@ -238,10 +240,10 @@ def job_hybrid4(rank: int, world: int, hf: str) -> dict:
     got = _step0(actor, _sched(0, world))
     actor.train(_sched(0, world))
     got.update(layout=_layout(actor), weights=_full_weights(actor))
-    mesh = actor.params[0].device_mesh
+    mesh = actor.backend.params[0].device_mesh
     mine = {
         "at": (mesh.get_local_rank("replicate"), mesh.get_local_rank("shard")),
-        "locals": {n: p.to_local().clone() for n, p in actor.model.named_parameters()},
+        "locals": {n: p.to_local().clone() for n, p in actor.backend.model.named_parameters()},
     }
     got["ranks"] = [None] * world
     dist.all_gather_object(got["ranks"], mine)
@@ -249,7 +251,7 @@ def job_hybrid4(rank: int, world: int, hf: str) -> dict:
 
 
 def _state_tensors(actor) -> list[torch.Tensor]:
-    tensors = [p.to_local() for p in actor.params]
+    tensors = [p.to_local() for p in actor.backend.params]
     for state in actor.optimizer.state.values():
         tensors += [v.to_local() for k, v in state.items() if k != "step"]
     return tensors
@@ -272,11 +274,13 @@ def _sleep_then_continue(actor, args, world: int) -> dict:
     parked = [t for keep, scratch in actor._park_plans().values() for t in keep + scratch]
     plain = not any(isinstance(t, DTensor) for t in parked)
     actor._parks_on = lambda device: True  # what sleep does to CUDA tensors, on host ones
-    moments = _state_tensors(actor)[len(actor.params) :]
+    moments = _state_tensors(actor)[len(actor.backend.params) :]
     actor.sleep(["train_state"])
     partial = {
         "moments_freed": all(t.untyped_storage().nbytes() == 0 for t in moments),
-        "shards_kept": all(p.to_local().untyped_storage().nbytes() > 0 for p in actor.params),
+        "shards_kept": all(
+            p.to_local().untyped_storage().nbytes() > 0 for p in actor.backend.params
+        ),
         "weights_readable": all(
             torch.equal(w, weights[n]) for n, w in _full_weights(actor).items()
         ),

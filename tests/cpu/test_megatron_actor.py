@@ -1,7 +1,7 @@
 """The megatron backend's actor against the fsdp2 actor (CPU, fp32, gloo, tiny random Qwen3).
 
-Proves: the same HF weights and the same planned rollout give, in ``MegatronActor``
-and ``FSDP2Actor``, the same per-token log-probs (actor and reference, 1e-5), the
+Proves: the same HF weights and the same planned rollout give, in ``MegatronBackend``
+and ``FSDP2Backend``, the same per-token log-probs (actor and reference, 1e-5), the
 same loss, the same gradient norm (1e-5 relative) and, after AdamW steps, the same
 weights parameter by parameter in HF names -- on a second rollout whose KL term is
 against a reference that by then differs from the actor, with the entropy term on,
@@ -91,12 +91,12 @@ def llama4_dropout_dir(tmp_path_factory) -> str:
 
 def _actor(backend: str):
     if backend == "megatron":
-        from vime.backends.megatron.actor import MegatronActor
+        from vime.backends.policy_actor import make_actor
 
-        return MegatronActor()
-    from vime.backends.fsdp2.actor import FSDP2Actor
+        return make_actor("megatron")
+    from vime.backends.policy_actor import make_actor
 
-    return FSDP2Actor()
+    return make_actor("fsdp2")
 
 
 def _scenario_job(rank: int, world: int, backend: str, scenario: str, args) -> dict:
@@ -110,7 +110,7 @@ def run(backend: str, scenario: str, args, world: int, tmp_path: Path):
 
 
 def _dp(actor) -> int:
-    return getattr(actor, "dp_size", actor.world)
+    return getattr(actor.backend, "dp_size", actor.world)
 
 
 def _full_weights(actor) -> dict[str, torch.Tensor]:
@@ -118,7 +118,7 @@ def _full_weights(actor) -> dict[str, torch.Tensor]:
 
 
 def _grad_norm(actor) -> float:
-    return float(actor.grad_norm())
+    return float(actor.backend.grad_norm())
 
 
 def _all_log_probs(actor, sched, which: str) -> dict[int, torch.Tensor]:
@@ -145,7 +145,7 @@ def scenario_align(actor, args, start):
     metrics = MetricAccumulator()
     loss = torch.tensor(actor.backward_step(sched, 0, metrics, ref=ref, old=old))
     # Sum the DP shares once (every TP rank of a DP group holds the same share).
-    loss /= getattr(actor, "tp", 1)
+    loss /= getattr(actor.backend, "tp", 1)
     dist.all_reduce(loss)
     micro = metrics.all_reduce().means()  # pipeline stages without the loss add nothing
     grad_norm = _grad_norm(actor)
@@ -176,9 +176,9 @@ def _full_moments(actor) -> dict[str, dict[str, torch.Tensor]]:
     """The AdamW moments in HF names and layout (gathered like the weights), and the step."""
     from vime.weights.buckets import iter_buckets
 
-    out: dict = {"step": actor.optimizer.state[actor.params[0]]["step"].clone()}
+    out: dict = {"step": actor.optimizer.state[actor.backend.params[0]]["step"].clone()}
     for moment in ("exp_avg", "exp_avg_sq"):
-        entries = actor._hf_entries(
+        entries = actor.backend._hf_entries(
             torch.float32, lambda _n, p, m=moment: actor.optimizer.state[p][m]
         )
         out[moment] = {n: t.clone() for bucket in iter_buckets(entries, 1 << 16) for n, t in bucket}
@@ -257,7 +257,7 @@ def scenario_overlap(actor, args, start):
     how many gradients each bucket gets before its reduction may start: one micro-batch's
     worth here, so a second micro-batch can only be right if vime says which is last.)"""
     in_flight: list[bool] = []
-    finish = actor._finish_grads
+    finish = actor.backend.finish_grads
 
     def recording() -> None:
         groups = actor.optimizer.ddp.bucket_groups
@@ -269,7 +269,7 @@ def scenario_overlap(actor, args, start):
     actor.train(
         schedule(batch, global_batch_size=one_each * dp, dp_size=dp, micro_batch_size=one_each)
     )
-    actor._finish_grads = recording
+    actor.backend.finish_grads = recording
     result = scenario_train(actor, args, 1, count=1)
     return {**result, "in_flight": in_flight}
 
@@ -584,12 +584,12 @@ def test_non_finite_gradient_skips_step(hf_dir, tmp_path, tp, extra) -> None:
 
 def test_checkpoint_of_another_backend_rejected(tmp_path) -> None:
     from vime import checkpoint
-    from vime.backends.megatron.actor import MegatronActor
+    from vime.backends.policy_actor import make_actor
 
     checkpoint.begin_save(tmp_path, 3, is_rank0=True)
     checkpoint.commit_save(tmp_path, 3, backend="fsdp2", world_size=1, extra={"counters": {}})
     with pytest.raises(checkpoint.CheckpointError, match="'fsdp2' backend"):
-        MegatronActor()._load(str(tmp_path))
+        make_actor("megatron")._load(str(tmp_path))
 
 
 def test_distributed_optimizer(hf_dir, tmp_path) -> None:

@@ -70,33 +70,34 @@ def hf_dir(tmp_path_factory) -> str:
 def _job(rank: int, world: int, args, rollouts: int, save_at: int | None) -> dict:
     import torch.distributed as dist
 
-    from vime.backends.megatron.actor import MegatronActor
+    from vime.backends.policy_actor import make_actor
     from vime.data.batch import schedule
 
-    actor = MegatronActor()
+    actor = make_actor("megatron")
     start = actor.init(args)
     metrics = []
     for rollout_id in range(start, start + rollouts):
         sched = schedule(
             make_batch(rollout_id),
             global_batch_size=args.global_batch_size,
-            dp_size=actor.dp_size,
+            dp_size=actor.backend.dp_size,
             micro_batch_size=args.micro_batch_size,
         )
         metrics.append(actor.train(sched))
         if rollout_id == save_at:
             actor.save(rollout_id)
-    main = actor.main.params if actor.main is not None else actor.params
+    main = actor.backend.main.params if actor.backend.main is not None else actor.backend.params
     weights = {n: t.clone() for b in actor.weight_buckets(1 << 16) for n, t in b}
     rounded = all(
-        torch.equal(m.to(p.dtype), p.detach()) for m, p in zip(main, actor.params, strict=True)
+        torch.equal(m.to(p.dtype), p.detach())
+        for m, p in zip(main, actor.backend.params, strict=True)
     )
     dist.barrier()
     return {
         "start": start,
         "metrics": metrics,
         "weights": weights,
-        "dtypes": sorted({str(p.dtype) for p in actor.params}),
+        "dtypes": sorted({str(p.dtype) for p in actor.backend.params}),
         "rounded": rounded,
     }
 
@@ -130,7 +131,7 @@ def test_bf16_training_tracks_fp32_and_resumes_bitwise(hf_dir, tmp_path) -> None
 
 def test_fp32_run_refuses_a_bf16_checkpoint(tmp_path) -> None:
     from vime import checkpoint
-    from vime.backends.megatron.actor import MegatronActor
+    from vime.backends.policy_actor import make_actor
 
     counters = {"samples_consumed": 8, "optimizer_steps": 2, "skipped_steps": 0}
     checkpoint.begin_save(tmp_path, 1, is_rank0=True)
@@ -141,8 +142,13 @@ def test_fp32_run_refuses_a_bf16_checkpoint(tmp_path) -> None:
         world_size=1,
         extra={"counters": counters, "tp": 1, "pp": 1, "param_dtype": "torch.bfloat16"},
     )
-    actor = MegatronActor()
-    actor.tp, actor.pp, actor.distributed, actor.transformer_impl = 1, 1, False, "local"
-    actor.param_dtype = torch.float32
+    actor = make_actor("megatron")
+    (
+        actor.backend.tp,
+        actor.backend.pp,
+        actor.backend.distributed,
+        actor.backend.transformer_impl,
+    ) = 1, 1, False, "local"
+    actor.backend.param_dtype = torch.float32
     with pytest.raises(checkpoint.CheckpointError, match="same --megatron-param-dtype"):
         actor._load(str(tmp_path))

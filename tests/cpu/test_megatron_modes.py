@@ -45,9 +45,11 @@ def _counter(counts: dict[str, int], key: str):
 
 def _step0(actor, args) -> dict:
     """Step-0 gradient (this rank's shards) and forward calls per micro-batch in backward."""
-    sched = schedule(make_batch(0), global_batch_size=4, dp_size=actor.dp_size, micro_batch_size=2)
+    sched = schedule(
+        make_batch(0), global_batch_size=4, dp_size=actor.backend.dp_size, micro_batch_size=2
+    )
     ref = actor.compute_log_probs(sched, "ref")
-    layer = actor.model.decoder.layers[0]
+    layer = actor.backend.model.decoder.layers[0]
     counts = {"layer": 0, "core_attention": 0}
     tokens_in: list[int] = []  # sequence length of each hidden state entering layer 0
     handles = [
@@ -63,8 +65,8 @@ def _step0(actor, args) -> dict:
     for handle in handles:
         handle.remove()
     micro_batches = len(list(sched.plan.steps[0].for_rank(actor.dp_rank)))
-    grads = {n: p.grad.clone() for n, p in actor.named_params}
-    for param in actor.params:
+    grads = {n: p.grad.clone() for n, p in actor.backend.named_params}
+    for param in actor.backend.params:
         param.grad = None
     return {
         "grads": grads,
@@ -77,35 +79,38 @@ def _step0(actor, args) -> dict:
 
 
 def job_modes(rank: int, world: int, hf: str) -> dict:
-    from vime.backends.megatron.actor import MegatronActor
+    from vime.backends.policy_actor import make_actor
 
     results: dict = {}
     for mode, flags in MODES.items():
         args = actor_args(hf, world, *flags, backend="megatron", tp=2)
-        actor = MegatronActor()
+        actor = make_actor("megatron")
         actor.init(args)
         results[mode] = _step0(actor, args)
-        results[mode]["row_multiple"] = actor.row_multiple
+        results[mode]["row_multiple"] = actor.backend.row_multiple
         results[mode]["seq_parallel_params"] = sum(
-            bool(getattr(p, "sequence_parallel", False)) for p in actor.params
+            bool(getattr(p, "sequence_parallel", False)) for p in actor.backend.params
         )
         if mode == "none":
-            before = [(p.data_ptr(), p.detach().clone()) for p in actor.params]
+            before = [(p.data_ptr(), p.detach().clone()) for p in actor.backend.params]
             actor.sleep()
             actor.wake_up()
             results["sleep_untouched"] = all(
                 p.data_ptr() == ptr and torch.equal(p, value)
-                for (ptr, value), p in zip(before, actor.params, strict=True)
+                for (ptr, value), p in zip(before, actor.backend.params, strict=True)
             )
             # sleep as on a GPU, made to park these host tensors: every weight leaves, then
             # comes back with wake_up.
             actor._parks_on = lambda device: True
             actor.sleep()
-            results["stash_freed"] = all(p.untyped_storage().nbytes() == 0 for p in actor.params)
+            results["stash_freed"] = all(
+                p.untyped_storage().nbytes() == 0 for p in actor.backend.params
+            )
             actor.wake_up()
             del actor._parks_on
             results["stash_restored"] = all(
-                torch.equal(p, value) for (_, value), p in zip(before, actor.params, strict=True)
+                torch.equal(p, value)
+                for (_, value), p in zip(before, actor.backend.params, strict=True)
             )
             results["after_sleep"] = _step0(actor, args)
     return results

@@ -214,7 +214,7 @@ def test_checkpoint_of_the_other_impl_refused(
 ) -> None:
     """A checkpoint without the field is an older one, of the local layers."""
     from vime import checkpoint
-    from vime.backends.megatron.actor import MegatronActor
+    from vime.backends.policy_actor import make_actor
 
     counters = {"samples_consumed": 8, "optimizer_steps": 2, "skipped_steps": 0}
     extra = {"counters": counters, "tp": 1, "pp": 1, "param_dtype": str(torch.float32)}
@@ -222,10 +222,10 @@ def test_checkpoint_of_the_other_impl_refused(
         extra["transformer_impl"] = saved
     checkpoint.begin_save(tmp_path, 1, is_rank0=True)
     checkpoint.commit_save(tmp_path, 1, backend="megatron", world_size=1, extra=extra)
-    actor = MegatronActor()
-    actor.tp, actor.pp, actor.distributed = 1, 1, False
-    actor.param_dtype = torch.float32
-    actor.transformer_impl = running
+    actor = make_actor("megatron")
+    actor.backend.tp, actor.backend.pp, actor.backend.distributed = 1, 1, False
+    actor.backend.param_dtype = torch.float32
+    actor.backend.transformer_impl = running
     impl = saved or "local"
     with pytest.raises(
         checkpoint.CheckpointError, match=f"saved with --megatron-transformer-impl {impl}; resume"

@@ -80,13 +80,13 @@ def _leaky_log_probs(actor, batch) -> dict[int, torch.Tensor]:
     packed = batch.pack(indices).to(actor.device)
     positions = torch.arange(packed.row_length, device=actor.device)[None]
     leaky = dataclasses.replace(packed, position_ids=positions)
-    logits = actor.model(**leaky.model_inputs()).logits
+    logits = actor.backend.model(**leaky.model_inputs()).logits
     logp, _ = response_log_probs(logits.float(), leaky)
     return {i: logp[row, : int(leaky.response_lengths[row])].cpu() for row, i in enumerate(indices)}
 
 
 def _state_tensors(actor) -> list[torch.Tensor]:
-    tensors = [p.to_local() for p in actor.params]
+    tensors = [p.to_local() for p in actor.backend.params]
     for state in actor.optimizer.state.values():
         tensors += [v.to_local() for k, v in state.items() if k != "step"]
     return tensors
@@ -95,11 +95,11 @@ def _state_tensors(actor) -> list[torch.Tensor]:
 def _offload_vs_resident(hf: str) -> dict:
     """Two fresh actors, one with ``--fsdp-cpu-offload``, train the same two rollouts (two
     optimizer steps each): their metrics and where their shards and AdamW moments live."""
-    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends.policy_actor import make_actor
 
     runs = {}
     for name, extra in (("resident", ()), ("offload", ("--fsdp-cpu-offload",))):
-        actor = FSDP2Actor()
+        actor = make_actor("fsdp2")
         actor.init(fsdp2_args(hf, *extra))
         metrics = [
             actor.train(_schedule(random_batch(rid), micro_batch_size=2, steps=2)) for rid in (0, 1)
@@ -109,7 +109,7 @@ def _offload_vs_resident(hf: str) -> dict:
             "state_devices": {t.device.type for t in _state_tensors(actor)},
             # FSDP2 pins host shards (CPUOffloadPolicy(pin_memory=True) on a GPU run) so the
             # per-block copies to the device are DMA transfers; AdamW's moments are not.
-            "pinned": all(p.to_local().is_pinned() for p in actor.params),
+            "pinned": all(p.to_local().is_pinned() for p in actor.backend.params),
         }
         del actor
         torch.cuda.empty_cache()
@@ -122,9 +122,9 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
     )
     import torch.distributed as dist
 
-    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends.policy_actor import make_actor
 
-    actor = FSDP2Actor()
+    actor = make_actor("fsdp2")
     actor.init(fsdp2_args(hf))
     batch = random_batch(0)
     packed = actor.compute_log_probs(_schedule(batch, micro_batch_size=len(batch)), "actor")
@@ -150,7 +150,7 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
     metrics = actor.train(_schedule(random_batch(1), micro_batch_size=2))
     after = _state_tensors(actor)
     moved = any(not torch.equal(t.cpu(), s) for t, s in zip(after, snapshot, strict=True))
-    attn = actor.model.config._attn_implementation
+    attn = actor.backend.model.config._attn_implementation
 
     torch.save(
         {

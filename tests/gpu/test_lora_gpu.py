@@ -42,30 +42,32 @@ def _schedule(rollout_id: int):
 
 
 def _run(hf: str, *extra: str) -> dict:
-    from vime.backends.fsdp2.actor import FSDP2Actor
+    from vime.backends.policy_actor import make_actor
 
     # What this actor holds: memory over the baseline before it (an actor is freed by
     # the garbage collector, its objects hold cycles).
     gc.collect()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
-    actor = FSDP2Actor()
+    actor = make_actor("fsdp2")
     actor.init(fsdp2_args(hf, *FLAGS, *extra))
     out: dict = {}
-    if actor.lora.enabled:  # first, as in a run: FSDP2 meets the adapters switched off
+    if actor.backend.lora.enabled:  # first, as in a run: FSDP2 meets the adapters switched off
         out["ref_start"] = actor.compute_log_probs(_schedule(0), "ref")
     out["start"] = actor.compute_log_probs(_schedule(0), "actor")
-    trainable = [p.detach().clone() for p in actor.params]
+    trainable = [p.detach().clone() for p in actor.backend.params]
     out["metrics"] = [actor.train(_schedule(rid)) for rid in (0, 1)]
-    out["moved"] = any(not torch.equal(p, q) for p, q in zip(actor.params, trainable, strict=True))
+    out["moved"] = any(
+        not torch.equal(p, q) for p, q in zip(actor.backend.params, trainable, strict=True)
+    )
     torch.cuda.synchronize()
     torch._C._cuda_clearCublasWorkspaces()
     out["allocated"] = torch.cuda.memory_allocated(actor.device) - baseline
-    named = list(actor.model.named_parameters())
+    named = list(actor.backend.model.named_parameters())
     out["dtypes"] = {n: (p.dtype, p.device.type) for n, p in named}
     ids = {id(p): n for n, p in named}
     out["optimizer_state"] = sorted(ids[id(p)] for p in actor.optimizer.state)
-    if actor.lora.enabled:
+    if actor.backend.lora.enabled:
         out["ref_after"] = actor.compute_log_probs(_schedule(0), "ref")
     del actor
     gc.collect()

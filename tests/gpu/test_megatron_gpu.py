@@ -2,8 +2,8 @@
 
 Proves, on a randomly initialised model with Qwen3-0.6B's shape (28 layers,
 hidden 1024, 16 query / 8 KV heads of 128, tied 151936-token vocabulary) and
-the same planned rollout: ``MegatronActor`` (NCCL, megatron-core local layers,
-fp32) and ``FSDP2Actor`` (NCCL, fp32 parameters and compute) give the same
+the same planned rollout: ``MegatronBackend`` (NCCL, megatron-core local layers,
+fp32) and ``FSDP2Backend`` (NCCL, fp32 parameters and compute) give the same
 per-token log-probs, the same step-0 loss and the same gradient norm within
 fp32 GPU tolerances, and a non-zero gradient. TF32 is switched off so both run
 true fp32 matmuls. The same again in bf16 (megatron: bf16 weights with fp32 main
@@ -144,7 +144,7 @@ def _step0(actor, *, update: bool = False) -> dict:
     logp = actor.compute_log_probs(sched, "actor")
     metrics = MetricAccumulator()
     loss = actor.backward_step(sched, 0, metrics, old=logp)
-    norm = float(actor.grad_norm())
+    norm = float(actor.backend.grad_norm())
     result = {"logp": logp, "loss": loss, "grad_norm": norm}
     if update:
         result["skipped"] = actor._optimizer_step(8).skipped
@@ -160,7 +160,7 @@ def _post_step(actor) -> dict[str, torch.Tensor]:
 
     Exported in fp32, not the checkpoint's bf16: one step at ``LR`` moves a weight near 1
     (the norms) by far less than a bf16 step there, so in bf16 it would not show."""
-    actor._hf_dtype = lambda: torch.float32
+    actor.backend.hf_config.dtype = torch.float32
     return {
         name: tensor.detach().float().cpu()
         for bucket in actor.weight_buckets(1 << 28)
@@ -199,9 +199,9 @@ def _thd_against_block_mask(actor) -> dict:
     packed = pack_micro_batch(batch.tokens[:3], batch.prompt_lengths[:3], pad_to_multiple_of=64)
     packed = packed.to(actor.device)
     with torch.no_grad():
-        thd = mmodel.packed_logits(actor.model, packed)
+        thd = mmodel.packed_logits(actor.backend.model, packed)
         block = mmodel.full_vocab_logits(
-            actor.model, mmodel.block_mask_forward(actor.model, packed)
+            actor.backend.model, mmodel.block_mask_forward(actor.backend.model, packed)
         )
     return {"diff": float((thd - block).abs().max()), "scale": float(block.abs().max())}
 
@@ -222,13 +222,13 @@ def _weight_source(actor) -> list[tuple[str, tuple[int, ...], str, str]]:
 def _transformer_engine_run(hf: str) -> dict:
     """Step 0 and the weight source of a bf16 megatron actor on TE's layers; the error
     itself if building or running it fails (so the other results still get written)."""
-    from vime.backends.megatron.actor import MegatronActor
+    from vime.backends.policy_actor import make_actor
 
     try:
-        actor = MegatronActor()
+        actor = make_actor("megatron")
         actor.init(_args(hf, "megatron", "bfloat16", *TE_IMPL))
         result = _step0(actor)
-        result["modules"] = sorted({type(m).__name__ for m in actor.model.modules()})
+        result["modules"] = sorted({type(m).__name__ for m in actor.backend.model.modules()})
         result["weights"] = _weight_source(actor)
         del actor
     except Exception:
@@ -247,13 +247,13 @@ def _distributed_step(actor) -> dict:
     logp = actor.compute_log_probs(sched, "actor")
     loss = actor.backward_step(sched, 0, MetricAccumulator(), old=logp)
     result = actor._optimizer_step(8)
-    before = [p.detach().clone() for p in actor.params]
+    before = [p.detach().clone() for p in actor.backend.params]
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
     actor.sleep()
     freed = torch.cuda.mem_get_info()[0] - free_before
     actor.wake_up()
-    bitwise = all(torch.equal(a, b) for a, b in zip(before, actor.params, strict=True))
+    bitwise = all(torch.equal(a, b) for a, b in zip(before, actor.backend.params, strict=True))
     return {
         "logp": logp,
         "loss": loss,
@@ -270,14 +270,13 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
     )
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from vime.backends.fsdp2.actor import FSDP2Actor
     from vime.backends.megatron import shims
-    from vime.backends.megatron.actor import MegatronActor
+    from vime.backends.policy_actor import make_actor
 
     results = {}
     for dtype in ("float32", "bfloat16"):
-        for backend, cls in (("megatron", MegatronActor), ("fsdp2", FSDP2Actor)):
-            actor = cls()
+        for backend in ("megatron", "fsdp2"):
+            actor = make_actor(backend)
             actor.init(_args(hf, backend, dtype))
             key = backend if dtype == "float32" else f"{backend}-bf16"
             results[key] = _step0(actor, update=dtype == "float32")
@@ -301,7 +300,7 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
                 results[key]["weights"] = _weight_source(actor)
             del actor
             torch.cuda.empty_cache()
-    actor = MegatronActor()
+    actor = make_actor("megatron")
     actor.init(_args(hf, "megatron", "bfloat16", "--megatron-use-distributed-optimizer"))
     results["megatron-bf16-distopt"] = _distributed_step(actor)
     del actor

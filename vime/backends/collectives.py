@@ -1,6 +1,6 @@
 """Collectives over many tensors at once, for the training backends.
 
-Where it fits: ``MegatronActor`` sums each step's gradients over its data-parallel
+Where it fits: ``MegatronBackend`` sums each step's gradients over its data-parallel
 group here (without the distributed optimizer: megatron-core's DDP wrapper buckets
 its own). One all-reduce per parameter is a few hundred collectives a step, each paying
 NCCL's launch and latency; packed into flat buffers of a few tens of megabytes it is a

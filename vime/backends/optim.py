@@ -1,9 +1,10 @@
 """Optimizer pieces both backends share: weight-decay grouping, the LR schedule, the step.
 
-Where it fits: a backend builds its AdamW from ``param_groups``, keeps one
-``LRSchedule`` and funnels every update through ``optimizer_step`` — the single
-chokepoint clip -> step -> schedule. Only the gradient-norm computation differs
-between backends (DTensor shards vs tensor-parallel shards), so it is passed in.
+Where it fits: a backend builds its AdamW with ``adamw`` (``param_groups``); the
+actor (``policy_actor.py``) keeps one ``LRSchedule`` and funnels every update through
+``optimizer_step`` — the single chokepoint clip -> step -> schedule. Only the
+gradient-norm computation differs between backends (DTensor shards vs tensor-parallel
+shards), so it is passed in.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +40,35 @@ def param_groups(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
+
+
+@dataclass(frozen=True)
+class AdamWSettings:
+    """The AdamW flags: ``--lr``, ``--weight-decay``, ``--adam-beta1/2``, ``--adam-eps``."""
+
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    eps: float
+
+    @classmethod
+    def from_args(cls, args: Any) -> AdamWSettings:
+        return cls(args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps)
+
+
+def adamw(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]], settings: AdamWSettings
+) -> torch.optim.AdamW:
+    """AdamW over ``named_params`` in Megatron's decay groups."""
+    return torch.optim.AdamW(
+        param_groups(named_params, settings.weight_decay),
+        lr=settings.lr,
+        betas=settings.betas,
+        eps=settings.eps,
+        # torch picks the per-tensor loop on the CPU: a dozen ops a parameter, each
+        # through DTensor dispatch. Multi-tensor ops are ~5x faster there.
+        foreach=True,
+    )
 
 
 @dataclass(frozen=True)

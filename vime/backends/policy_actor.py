@@ -1,34 +1,24 @@
-"""``PolicyTrainActor``: the backend-neutral half of a training rank.
+"""``PolicyTrainActor``: one training rank, composed around a ``TrainBackend``.
 
-Where it fits: ``FSDP2Actor`` and ``MegatronActor`` both subclass it. Everything
-that must be the same in both backends for their runs to be one run lives here,
-once: the optimizer and LR schedule set-up, the reference-model swap, the
-log-prob pass at training geometry, the micro-batch loop over
-``vime.algo.objective.micro_batch_loss``, the optimizer-step chokepoint with its
-counters, the metric reduction, ``sleep``/``wake_up`` (GPU memory parked on the
-host through ``vime.device.HostStash``), the HF export and the checkpoint commit.
-
-A backend supplies only what differs: how a packed row becomes logits
-(``_logits``; a backend that splits the model over ranks replaces the micro-batch
-loop itself, ``_run_micro_batches``), which tensors hold this rank's share of the weights
-(``_local_tensors``), how the global gradient norm is computed (``grad_norm``),
-what must happen to gradients before and after backward (``_before_backward``,
-``_finish_grads``: megatron sums
-data-parallel and partial tensor-parallel grads there; FSDP2 has already
-reduce-scattered), what to free before sleeping (``_release_gathered``: FSDP2's
-gathered groups), its HF-named weight source (``weight_buckets``) and its
-checkpoint state (``_state`` / ``_load``).
+Where it fits: the Ray train group makes one per rank (``policy_actor.make_actor``) and
+the loop drives it through the ``TrainActor`` contract. It holds the rank's backend
+(``vime.backends.interface``: the model, its optimizer and process groups) and keeps
+everything that must be the same in every backend for their runs to be one run, once:
+the LR schedule, the reference-model swap, the log-prob pass at training geometry,
+the micro-batch loss (``vime.algo.objective.micro_batch_loss``), the optimizer-step
+chokepoint with its counters, the metric reduction, ``sleep``/``wake_up`` (GPU memory
+parked on the host through ``vime.device.HostStash``), the HF export and the
+checkpoint commit. It is never subclassed: a backend is a ``TrainBackend``.
 """
 
 from __future__ import annotations
 
-import abc
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 import torch
 import torch.distributed as dist
@@ -38,96 +28,40 @@ from vime import device as vime_device
 from vime.algo.metrics import MetricAccumulator
 from vime.algo.objective import Normalizers, micro_batch_loss
 from vime.backends.base import TRAIN_MEMORY_TAGS, TrainActor, train_tags
-from vime.backends.optim import LRSchedule, StepResult, optimizer_step, param_groups
+from vime.backends.interface import SavedState, TrainBackend
+from vime.backends.optim import LRSchedule, StepResult, optimizer_step
+from vime.backends.registry import backend_class
 from vime.config.settings import loss_settings
 from vime.data.batch import TrainSchedule, pad_rows
-from vime.data.micro_batch import response_log_probs
 from vime.device import HostStash
 from vime.weights.hf_export import save_hf_folder
 
 PerSample = dict[int, torch.Tensor]
-# (sample indices, packed micro-batch, log-probs, entropy or None) -> the micro-batch's loss
-MicroBatchFn = Callable[[tuple[int, ...], Any, torch.Tensor, Any], Any]
 
 
+@final
 class PolicyTrainActor(TrainActor):
-    """A training rank that optimizes ``vime.algo``'s loss on the planner's micro-batches.
+    """A training rank that optimizes ``vime.algo``'s loss on the planner's micro-batches,
+    with ``backend`` computing them."""
 
-    Subclasses set ``args``, ``rank``, ``world``, ``device``, ``params`` and
-    ``hf_config`` in ``init`` and then call ``_setup_training``.
-    """
+    def __init__(self, backend: TrainBackend) -> None:
+        self.backend = backend
 
-    backend_name: str = ""  # recorded in checkpoints; a load checks it
-    # Ranks of one data-parallel replica that compute the same loss share (tensor parallel).
-    loss_replicas: int = 1
-    # Packed rows are right-padded to a multiple of this many tokens (sequence parallel).
-    row_multiple: int = 1
-    # Samples of one prompt share its tokens in a row (vime.data.micro_batch): only for an
-    # attention that reads such rows (varlen_sdpa), set in init.
-    shares_prompts: bool = False
-    # The model itself can compute as the KL reference (LoRA: adapters off), set in init
-    # before _setup_training: no host copy of the initial weights is kept then.
-    reference_in_model: bool = False
-
-    # ----- backend hooks -------------------------------------------------------------------
-
-    @abc.abstractmethod
-    def _logits(self, packed: Any) -> torch.Tensor:
-        """``[B, T, vocab]`` logits of a packed micro-batch (full vocabulary)."""
-
-    @abc.abstractmethod
-    def _local_tensors(self) -> list[torch.Tensor]:
-        """The tensors that hold this rank's share of ``params``, in ``params`` order."""
-
-    @abc.abstractmethod
-    def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the step's gradient (the same number on every rank)."""
-
-    def _weight_buffers(self) -> list[torch.Tensor]:
-        """A backend's own buffers that hold weights (``sleep`` parks them with them)."""
-        return []
-
-    def _scratch_buffers(self) -> list[torch.Tensor]:
-        """A backend's own gradient buffers, all zeros between steps (``sleep`` frees them)."""
-        return []
-
-    def _release_gathered(self) -> None:
-        """Free full-weight copies a forward may have left behind (before ``sleep``)."""
-
-    def _before_backward(self, last: bool) -> None:
-        """Called before each micro-batch's backward; ``last`` on the step's final one
-        (every rank has as many micro-batches, so the ranks agree on which is last).
-        Where a replica-wide gradient sum can wait for the step's end, it is skipped
-        until ``last``: FSDP2's replica all-reduce in ``hybrid`` and ``no_shard``."""
-
-    def _finish_grads(self) -> None:
-        """Complete the step's gradient after every micro-batch's backward."""
-
-    @abc.abstractmethod
-    def _state(self) -> dict[str, Any]:
-        """This rank's checkpoint state, in the form ``_write_state`` and ``_load`` use."""
-
-    def _checkpoint_extra(self) -> dict[str, Any]:
-        """Backend facts recorded in the checkpoint metadata (e.g. the TP size)."""
-        return {}
-
-    @property
-    def trained_params(self) -> list[torch.Tensor]:
-        """The tensors that hold the gradients and take the optimizer's updates: ``params``,
-        or a backend's fp32 main copies of them (megatron's bf16 mixed precision)."""
-        return self.params
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's index among the data-parallel replicas (the planner's rank)."""
-        return self.rank
+    # The backend's place in the run, read where the actor needs it.
+    rank = property(lambda self: self.backend.rank)
+    world = property(lambda self: self.backend.world)
+    device = property(lambda self: self.backend.device)
+    dp_rank = property(lambda self: self.backend.dp_rank)
+    optimizer = property(lambda self: self.backend.optimizer)
+    trained_params = property(lambda self: self.backend.trained_params)
 
     # ----- set-up --------------------------------------------------------------------------
 
-    def _setup_training(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
-        """AdamW (Megatron's no-decay groups), the LR schedule, the loss and the counters."""
-        args = self.args
-        self.optimizer = self._make_optimizer(named_params)
+    def init(self, args: Any) -> int:
+        """Set up the backend, then the LR schedule, the loss and the counters; load
+        ``--load``'s newest checkpoint if there is one."""
+        self.args = args
+        self.backend.setup(args)
         samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
         self.lr_schedule = LRSchedule(
             lr=args.lr,
@@ -143,22 +77,9 @@ class PolicyTrainActor(TrainActor):
         self._asleep: dict[str, HostStash] = {}  # TRAIN_MEMORY_TAGS part -> its stash
         # The reference model is the initial weights, kept as host copies of this rank's shards
         # (unless the model computes as its reference by itself).
-        copies = args.use_kl_loss and not self.reference_in_model
+        copies = args.use_kl_loss and self.backend.reference() is None
         self.ref_shards = self._host_copies() if copies else None
-
-    def _make_optimizer(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> Any:
-        """AdamW over ``named_params`` in Megatron's decay groups (a backend may bring its
-        own optimizer: it must offer ``param_groups``, ``step`` and ``state``)."""
-        args = self.args
-        return torch.optim.AdamW(
-            param_groups(named_params, args.weight_decay),
-            lr=args.lr,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_eps,
-            # torch picks the per-tensor loop on the CPU: a dozen ops a parameter, each
-            # through DTensor dispatch. Multi-tensor ops are ~5x faster there.
-            foreach=True,
-        )
+        return self._start_rollout()
 
     def _start_rollout(self) -> int:
         """The rollout id to start from: 0, or the one after ``--load``'s newest checkpoint.
@@ -185,7 +106,7 @@ class PolicyTrainActor(TrainActor):
         pin = vime_device.is_cuda(self.device)
         return [
             torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t.detach())
-            for t in self._local_tensors()
+            for t in self.backend.local_tensors()
         ]
 
     def _exchange(self, held: list[torch.Tensor]) -> None:
@@ -195,16 +116,25 @@ class PolicyTrainActor(TrainActor):
         One tensor at a time through a device copy, so a swap and its swap back cost no
         host memory beyond ``held`` itself and no allocation but one shard's device copy.
         """
+        # A forward may have left gathered weights (FSDP2 without resharding after forward),
+        # and the next forward would compute with those instead of the swapped-in values.
+        self.backend.release_gathered()
         with torch.no_grad():
-            for local, value in zip(self._local_tensors(), held, strict=True):
+            for local, value in zip(self.backend.local_tensors(), held, strict=True):
                 staged = local.detach().clone()
                 local.copy_(value)
                 value.copy_(staged)
 
     @contextmanager
     def _as_reference(self) -> Iterator[None]:
-        """Inside the block the model computes as the KL reference: the initial weights
-        swapped in from their host copies, and swapped back out after."""
+        """Inside the block the model computes as the KL reference: by itself where the
+        backend can (LoRA), else the initial weights swapped in from their host copies,
+        and swapped back out after."""
+        own = self.backend.reference()
+        if own is not None:
+            with own:
+                yield
+            return
         if self.ref_shards is None:
             raise ValueError("no reference model: KL loss is off")
         self._exchange(self.ref_shards)  # the reference in; the actor parked in its place
@@ -212,47 +142,6 @@ class PolicyTrainActor(TrainActor):
             yield
         finally:
             self._exchange(self.ref_shards)
-
-    def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
-        return batch.pack(
-            indices, pad_to_multiple_of=self.row_multiple, share_prompts=self.shares_prompts
-        ).to(self.device)
-
-    def _log_probs(
-        self, logits: torch.Tensor, packed: Any, *, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token response log-probs (and entropy) of a packed micro-batch's logits."""
-        # No .float() here: response_log_probs upcasts only the response rows it picks,
-        # never a whole [L, V] row of bf16 logits.
-        return response_log_probs(
-            logits,
-            packed,
-            temperature=self.args.rollout_temperature,
-            with_entropy=with_entropy,
-        )
-
-    def _run_micro_batches(
-        self,
-        batch: Any,
-        micro_batches: Sequence[tuple[int, ...]],
-        consume: MicroBatchFn,
-        *,
-        backward: bool,
-    ) -> None:
-        """Forward each micro-batch in order and hand its log-probs to ``consume``.
-
-        ``consume(indices, packed, logp, entropy)`` returns the micro-batch's loss,
-        which is backpropagated when ``backward`` (entropy is computed only then). A
-        backend that splits the model over ranks (megatron's pipeline) replaces this
-        with a schedule that calls ``consume`` only where the logits are.
-        """
-        for position, indices in enumerate(micro_batches):
-            packed = self._pack(batch, indices)
-            logp, entropy = self._log_probs(self._logits(packed), packed, with_entropy=backward)
-            loss = consume(indices, packed, logp, entropy)
-            if backward:
-                self._before_backward(last=position == len(micro_batches) - 1)
-                loss.backward()
 
     @torch.no_grad()
     def compute_log_probs(self, schedule: TrainSchedule, which: str) -> PerSample:
@@ -271,7 +160,7 @@ class PolicyTrainActor(TrainActor):
 
         with self._as_reference() if which == "ref" else nullcontext():
             for micro_batches in schedule.plan.for_rank(self.dp_rank):
-                self._run_micro_batches(schedule.batch, micro_batches, record, backward=False)
+                self.backend.forward_backward(schedule.batch, micro_batches, record, backward=False)
         return out
 
     # ----- train ---------------------------------------------------------------------------
@@ -294,7 +183,7 @@ class PolicyTrainActor(TrainActor):
             # The step loss is the sum of the DP replicas' shares (each counted once, not once
             # per TP rank); grad norm and lr are global, so each rank adds 1/world of them.
             share = 1.0 / self.world
-            metrics.add("loss", step_loss / self.loss_replicas, share)
+            metrics.add("loss", step_loss / self.backend.loss_replicas, share)
             # The mean over the steps taken: a skipped step's norm is not finite and must not
             # count as a 0 (with every step skipped the metric is NaN, not 0).
             taken = 0.0 if result.skipped else share
@@ -350,8 +239,8 @@ class PolicyTrainActor(TrainActor):
             metrics.merge(micro_metrics)
             return loss
 
-        self._run_micro_batches(batch, step.for_rank(self.dp_rank), loss_of, backward=True)
-        self._finish_grads()
+        self.backend.forward_backward(batch, step.for_rank(self.dp_rank), loss_of, backward=True)
+        self.backend.finish_grads()
         return step_loss
 
     def _rows(
@@ -367,7 +256,7 @@ class PolicyTrainActor(TrainActor):
         result = optimizer_step(
             self.optimizer,
             self.trained_params,
-            self.grad_norm(),
+            self.backend.grad_norm(),
             clip_grad=self.args.clip_grad,
             lr=lr,
         )
@@ -378,6 +267,7 @@ class PolicyTrainActor(TrainActor):
                 print(f"vime: non-finite grad norm {result.grad_norm}; step skipped", flush=True)
         else:
             self.optimizer_steps += 1
+        self.backend.after_step(result.skipped)
         return result
 
     # ----- accelerator memory --------------------------------------------------------------
@@ -399,7 +289,7 @@ class PolicyTrainActor(TrainActor):
         parts = [part for part in train_tags(tags) if part not in self._asleep]
         if not parts:
             return
-        self._release_gathered()
+        self.backend.release_gathered()
         plans = self._park_plans()
         for part in parts:
             keep, scratch = plans[part]
@@ -420,9 +310,10 @@ class PolicyTrainActor(TrainActor):
         def ptr(t: torch.Tensor) -> int:
             return t.untyped_storage().data_ptr()
 
-        weights = [*self._local_tensors(), *self._weight_buffers()]
+        own_weights, own_scratch = self.backend.sleep_buffers()
+        weights = [*self.backend.local_tensors(), *own_weights]
         taken = {ptr(t) for t in weights}
-        scratch = [t for t in self._scratch_buffers() if ptr(t) not in taken]
+        scratch = [t for t in own_scratch if ptr(t) not in taken]
         taken |= {ptr(t) for t in scratch}  # views of a scratch buffer are not copied
         state = [_storage(p) for p in self.trained_params]
         state += [_storage(p.grad) for p in self.trained_params if p.grad is not None]
@@ -448,20 +339,27 @@ class PolicyTrainActor(TrainActor):
 
     # ----- weights out ---------------------------------------------------------------------
 
-    def _hf_dtype(self) -> torch.dtype:
-        """The dtype the HF checkpoint declares (what engines and exports receive)."""
-        dtype = getattr(self.hf_config, "dtype", None) or torch.float32
-        return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF-named weights in the checkpoint's dtype, one bucket materialized at a time.
 
-    def _export_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The full weights ``export_hf`` writes (a collective): ``weight_buckets``, unless a
-        backend holds some in less than the checkpoint's precision."""
-        return self.weight_buckets(bucket_bytes)
+        A collective: every rank must iterate it to the end.
+        """
+        self._check_awake("weights")
+        return self.backend.weight_buckets(bucket_bytes)
+
+    def sync_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """What a weight sync sends: the full weights, or less where the backend sends less
+        (LoRA: the adapters, after the base once)."""
+        self._check_awake("weights")
+        return self.backend.weight_buckets(bucket_bytes, "sync")
 
     def export_hf(self, path: str, merged: bool = False) -> None:
         """Write the model at ``path`` as an HF folder (``merged``: always the full
         weights, even where a backend exports less, such as LoRA's adapter folder)."""
-        buckets = self._export_buckets(self.args.update_weight_buffer_size)
+        if not merged and self.backend.export_adapters(path):
+            return
+        self._check_awake("weights")
+        buckets = self.backend.weight_buckets(self.args.update_weight_buffer_size, "export")
         if self.rank != 0:
             for _ in buckets:  # take part in the gathers; rank 0 writes
                 pass
@@ -474,16 +372,9 @@ class PolicyTrainActor(TrainActor):
                 tokenizer = AutoTokenizer.from_pretrained(self.args.hf_checkpoint)
             except (OSError, ValueError):
                 tokenizer = None  # a checkpoint without a tokenizer exports weights only
-        save_hf_folder(path, buckets, config=self.hf_config, tokenizer=tokenizer)
+        save_hf_folder(path, buckets, config=self.backend.hf_config, tokenizer=tokenizer)
 
     # ----- checkpoints ---------------------------------------------------------------------
-
-    def _write_state(self, folder: Path) -> None:
-        """Write this rank's share of ``_state`` into ``folder`` (a collective over every
-        rank): ``torch.distributed.checkpoint`` unless a backend writes its own format."""
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self._state(), checkpoint_id=str(folder))
 
     def save(self, rollout_id: int, extra: dict[str, Any] | None = None) -> None:
         self._check_awake()
@@ -494,8 +385,8 @@ class PolicyTrainActor(TrainActor):
         # other nodes' ranks would not see it (and their shards would be lost).
         views = self._gather("there" if os.path.isdir(partial) else "missing")
         checkpoint.check_shared("--save", save_dir, views, "partial checkpoint folders")
-        self._write_state(partial)
-        rng = {**checkpoint.rng_state(), **self._backend_rng_state()}
+        self.backend.save_state(Path(partial), with_optimizer=self.optimizer_steps > 0)
+        rng = {**checkpoint.rng_state(), **self.backend.rng_state()}
         torch.save(rng, os.path.join(partial, f"rng_rank{self.rank}.pt"))
         dist.barrier()
         if self.rank == 0:
@@ -507,16 +398,22 @@ class PolicyTrainActor(TrainActor):
             checkpoint.commit_save(
                 save_dir,
                 rollout_id,
-                backend=self.backend_name,
+                backend=self.backend.name,
                 world_size=self.world,
-                extra={"counters": counters, **self._checkpoint_extra(), **(extra or {})},
+                extra={"counters": counters, **self.backend.checkpoint_extra(), **(extra or {})},
                 keep_last=self.args.keep_last_checkpoints,
             )
         dist.barrier()
 
-    @abc.abstractmethod
     def _load(self, load_dir: str) -> int:
         """Restore the newest checkpoint under ``load_dir``; return its rollout id."""
+        rollout_id, folder, meta = self._open_checkpoint(load_dir)
+        saved = SavedState(Path(folder), rollout_id, meta, with_optimizer=self.optimizer_steps > 0)
+        if self.backend.load_state(saved):
+            rng = torch.load(os.path.join(folder, f"rng_rank{self.rank}.pt"), weights_only=False)
+            checkpoint.set_rng_state(rng)
+            self.backend.set_rng_state(rng)
+        return rollout_id
 
     def _open_checkpoint(self, load_dir: str) -> tuple[int, Any, dict[str, Any]]:
         """The newest checkpoint's rollout id, folder and verified metadata; restores the
@@ -524,10 +421,11 @@ class PolicyTrainActor(TrainActor):
         rollout_id = checkpoint.latest(load_dir)
         folder = checkpoint.iteration_dir(load_dir, rollout_id)
         meta = checkpoint.verify(folder)
-        if meta.get("backend") != self.backend_name:
+        name = self.backend.name
+        if meta.get("backend") != name:
             raise checkpoint.CheckpointError(
                 f"{folder} was saved by the {meta.get('backend')!r} backend; the "
-                f"{self.backend_name} backend loads only its own checkpoints (start from an "
+                f"{name} backend loads only its own checkpoints (start from an "
                 "HF export instead: --save-hf, then --hf-checkpoint)"
             )
         counters = meta["extra"]["counters"]
@@ -537,22 +435,15 @@ class PolicyTrainActor(TrainActor):
         self.loaded_extra = meta["extra"]
         return rollout_id, folder, meta
 
-    def _backend_rng_state(self) -> dict[str, Any]:
-        """Random streams the backend keeps outside the process generators (saved beside
-        them in ``rng_rank{r}.pt``, handed back to ``_set_backend_rng_state`` on load)."""
-        return {}
-
-    def _set_backend_rng_state(self, rng: dict[str, Any]) -> None:
-        """Restore what ``_backend_rng_state`` saved."""
-
-    def _restore_rng(self, folder: Any) -> None:
-        rng = torch.load(os.path.join(folder, f"rng_rank{self.rank}.pt"), weights_only=False)
-        checkpoint.set_rng_state(rng)
-        self._set_backend_rng_state(rng)
-
 
 def _storage(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor that owns the storage: a DTensor's local shard, else the tensor itself."""
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def make_actor(name: str) -> PolicyTrainActor:
+    """A training rank of backend ``name`` (``vime.backends.registry``), not yet
+    initialized (imports the backend)."""
+    return PolicyTrainActor(backend_class(name)())

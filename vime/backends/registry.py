@@ -1,9 +1,11 @@
-"""Backend registry: ``--train-backend`` name -> actor class and flag functions.
+"""Backend registry: ``--train-backend`` name -> ``TrainBackend`` class and flag functions.
 
 Where it fits: the only module that names a backend. The CLI asks it for the
-choices of ``--train-backend`` and for the selected backend's flags; the Ray
-train group asks it for the actor class. Everything is given by import path and
-resolved on demand, so ``vime-train --help`` imports no backend (and no torch).
+choices of ``--train-backend`` and for the selected backend's flags;
+``policy_actor.make_actor`` asks it for the backend's ``TrainBackend`` class
+(``interface.py``) to put in a training rank, so a new backend is a package and one
+``BackendSpec`` line here. Everything is given by import path and resolved on
+demand, so ``vime-train --help`` imports no backend (and no torch).
 
 A backend's flag module (``add_flags`` / ``validate``) must stay light: argparse
 only, no torch, no backend library. ``validate(args)`` checks the backend's own
@@ -16,7 +18,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vime.backends.interface import TrainBackend
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,7 @@ class BackendSpec:
 
     name: str
     summary: str
-    actor: str
+    backend: str  # a vime.backends.interface.TrainBackend class
     add_flags: str
     validate: str
     # Trains LoRA adapters (--lora-rank); a backend without them is refused at start-up.
@@ -38,7 +43,7 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec(
             name="fsdp2",
             summary="HF transformers causal LM sharded with torch fully_shard",
-            actor="vime.backends.fsdp2.actor:FSDP2Actor",
+            backend="vime.backends.fsdp2.backend:FSDP2Backend",
             add_flags="vime.backends.fsdp2.flags:add_flags",
             validate="vime.backends.fsdp2.flags:validate",
             lora=True,
@@ -46,7 +51,7 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec(
             name="megatron",
             summary="megatron-core GPTModel (tensor/pipeline parallel)",
-            actor="vime.backends.megatron.actor:MegatronActor",
+            backend="vime.backends.megatron.backend:MegatronBackend",
             add_flags="vime.backends.megatron.flags:add_flags",
             validate="vime.backends.megatron.flags:validate",
         ),
@@ -93,6 +98,6 @@ def validator(name: str) -> Callable[[Any], int]:
     return resolve(get_backend(name).validate)
 
 
-def actor_class(name: str) -> type:
-    """The TrainActor subclass of backend ``name`` (imports the backend)."""
-    return resolve(get_backend(name).actor)
+def backend_class(name: str) -> type[TrainBackend]:
+    """The ``TrainBackend`` class of backend ``name`` (imports the backend)."""
+    return resolve(get_backend(name).backend)

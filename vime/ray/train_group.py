@@ -1,7 +1,7 @@
 """The training ranks as Ray actors: ``RayTrainGroup`` fans each call out to every rank.
 
 Where it fits: ``vime.trainer`` owns one group. Every rank is a ``TrainWorker``
-holding the backend's ``TrainActor`` (the class the registry names for
+holding the backend's ``TrainActor`` (``policy_actor.make_actor`` for
 ``--train-backend``); the worker sets the torch.distributed environment before
 the backend initializes, and runs the sending side of the run's weight transport
 (``vime.ray.transports``: rank 0 sends; the other ranks take part in the
@@ -27,7 +27,6 @@ import ray
 
 from vime import device as vime_device
 from vime import perf, profiling
-from vime.backends import registry
 from vime.ray.errors import label_actor, wait_all
 from vime.ray.placement import Placement, pin_process, process_cores
 from vime.ray.transports import transport_class
@@ -73,7 +72,9 @@ class TrainWorker:
         if vime_device.cuda_available():
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU: it is device 0 here.
             os.environ["LOCAL_RANK"] = "0"
-        self.actor = registry.actor_class(self.backend)()
+        from vime.backends.policy_actor import make_actor  # torch: in the rank only
+
+        self.actor = make_actor(self.backend)
         start = self.actor.init(args)
         # The backend's train() runs its old/ref log-prob passes through this method: timed
         # on the instance, each pass that actually runs is a span (the FLOP count reads

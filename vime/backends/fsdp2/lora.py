@@ -1,6 +1,6 @@
 """LoRA on the fsdp2 backend: peft's adapters injected into the HF model, and their names.
 
-Where it fits: with ``--lora-rank R`` ``FSDP2Actor`` calls ``inject`` on the model
+Where it fits: with ``--lora-rank R`` ``FSDP2Backend`` calls ``inject`` on the model
 before it is sharded (on rank 0's loaded copy and on every rank's meta copy, so
 the broadcast carries rank 0's seeded adapter init). peft's layers stay inside
 the HF model (no ``PeftModel`` wrapper): decoder blocks, ``fully_shard`` and the
@@ -95,7 +95,7 @@ def store_base(model: torch.nn.Module, dtype: torch.dtype) -> None:
     changes, rounded once here, computes bit for bit as an fp32 base would, at half the
     memory; the adapters stay fp32 master weights. FSDP2 asks one dtype only of the
     parameters that train. A merged export reads the base back from the checkpoint
-    (``FSDP2Actor._export_buckets``): written from this copy, it would be rounded.
+    (``FSDP2Backend.weight_buckets``): written from this copy, it would be rounded.
     """
     with torch.no_grad():
         for param in model.parameters():

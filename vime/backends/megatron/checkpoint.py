@@ -1,6 +1,6 @@
 """The megatron backend's checkpoint tensors, through megatron-core's ``dist_checkpointing``.
 
-Where it fits: ``MegatronActor`` writes these into the folder that
+Where it fits: ``MegatronBackend`` writes these into the folder that
 ``vime.checkpoint`` hands every rank (``PolicyTrainActor.save`` commits it) and
 reads them back on ``--load``. What goes in is megatron-core's own description of
 the model, ``GPTModel.sharded_state_dict()``: every parameter as a ``ShardedTensor``
@@ -58,7 +58,7 @@ NamedParams = list[tuple[str, torch.nn.Parameter]]
 def check_resumable(folder: Path, saved: dict[str, Any], run: dict[str, Any]) -> None:
     """Refuse a checkpoint this run cannot resume, naming the flag to change.
 
-    ``saved`` is the checkpoint's ``extra`` (what ``MegatronActor._checkpoint_extra``
+    ``saved`` is the checkpoint's ``extra`` (what ``MegatronBackend.checkpoint_extra``
     wrote, with its ``counters``), ``run`` the same fields of this run. The weights must
     have this run's dtype and layer implementation (``transformer_engine`` fuses norms
     into other tensors). The optimizer state of megatron-core's distributed optimizer

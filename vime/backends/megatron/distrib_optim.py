@@ -1,6 +1,6 @@
 """megatron-core's distributed optimizer, for ``--megatron-use-distributed-optimizer``.
 
-Where it fits: ``MegatronActor`` builds a ``DistributedOptimizer`` here instead of its
+Where it fits: ``MegatronBackend`` builds a ``DistributedOptimizer`` here instead of its
 torch ``AdamW`` when the flag is on, on the GPU and on the CPU alike (the CPU runs it
 through ``shims``). It is megatron-core's own machinery end to end:
 

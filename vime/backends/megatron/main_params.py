@@ -1,6 +1,6 @@
 """fp32 main weights for a megatron model trained in bf16 (``--megatron-param-dtype bfloat16``).
 
-Where it fits: ``MegatronActor`` builds its ``GPTModel`` with bf16 parameters, so
+Where it fits: ``MegatronBackend`` builds its ``GPTModel`` with bf16 parameters, so
 forward and backward run in bf16, and hands the optimizer these fp32 copies
 instead -- Megatron's mixed precision. A bf16 weight has 8 bits of mantissa: an
 AdamW update below 1/256 of the weight would round away if applied to it

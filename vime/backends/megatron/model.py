@@ -32,7 +32,7 @@ Two layer implementations (``--megatron-transformer-impl``, ``build_gpt_model``)
 TE holds each layer's two norms inside the following linear, so their parameter
 names differ (``fuses_norms``, ``convert.param_map(fused_norms=True)``); the weights'
 checkpoint keys do not, since megatron-core's local spec maps its norm names onto
-TE's (``sharded_state_dict_keys_map``). (Resuming across impls: ``MegatronActor``.)
+TE's (``sharded_state_dict_keys_map``). (Resuming across impls: ``MegatronBackend``.)
 """
 
 from __future__ import annotations

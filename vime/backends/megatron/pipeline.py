@@ -1,6 +1,6 @@
 """Pipeline parallelism for the megatron backend: what each stage holds, and the schedule.
 
-Where it fits: ``MegatronActor`` with ``--megatron-pipeline-parallel-size`` P > 1.
+Where it fits: ``MegatronBackend`` with ``--megatron-pipeline-parallel-size`` P > 1.
 The decoder layers are split into P consecutive runs, one per pipeline stage: equal
 runs, or ``--megatron-decoder-first/last-pipeline-num-layers`` on the end stages and
 equal runs between (``flags.stage_layer_counts``, megatron-core's uneven rule, for
@@ -134,7 +134,7 @@ def run_schedule(
     if not (config.variable_seq_lengths and config.calculate_per_token_loss):
         raise ValueError(
             "the pipelined model needs variable_seq_lengths and calculate_per_token_loss "
-            "in its TransformerConfig (see MegatronActor)"
+            "in its TransformerConfig (see MegatronBackend)"
         )
     one_token = torch.ones((), dtype=torch.int)
 

@@ -1,8 +1,8 @@
-"""``MegatronActor``: one training rank of the ``megatron`` backend.
+"""``MegatronBackend``: one training rank's model under the ``megatron`` backend.
 
-Where it fits: the registry names this class for ``--train-backend megatron``;
-the loop drives it through the ``TrainActor`` contract exactly as it drives
-``FSDP2Actor``. The model is megatron-core's ``GPTModel`` (``model.py``) loaded
+Where it fits: the registry names this class for ``--train-backend megatron``; a
+``PolicyTrainActor`` holds it through the ``TrainBackend`` interface exactly as it
+holds ``FSDP2Backend``. The model is megatron-core's ``GPTModel`` (``model.py``) loaded
 from the HF checkpoint through ``convert.py``; everything else is shared with the
 fsdp2 backend: the planner's micro-batches (``vime.data``), the loss
 (``vime.algo.objective.micro_batch_loss``), the optimizer chokepoint and LR
@@ -59,7 +59,7 @@ under the impl that saved it only (HF export moves weights across).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,14 @@ import torch.distributed as dist
 from vime import device as vime_device
 from vime.backends.collectives import all_reduce_sum
 from vime.backends.dropout import model_config
+from vime.backends.interface import (
+    MicroBatchFn,
+    SavedState,
+    TrainBackend,
+    WeightPurpose,
+    hf_dtype,
+    run_in_order,
+)
 from vime.backends.megatron import checkpoint as mcheckpoint
 from vime.backends.megatron import convert, pipeline
 from vime.backends.megatron import model as mmodel
@@ -76,21 +84,19 @@ from vime.backends.megatron.distrib_optim import DistributedOptimizer
 from vime.backends.megatron.main_params import MainParams
 from vime.backends.megatron.shims import apply_cpu_shims
 from vime.backends.megatron.vocab_parallel import VocabShard
-from vime.backends.optim import StepResult
-from vime.backends.policy_actor import MicroBatchFn, PerSample, PolicyTrainActor
-from vime.data.batch import TrainSchedule
-from vime.data.micro_batch import response_log_probs
+from vime.backends.optim import AdamWSettings, adamw
+from vime.data.micro_batch import full_vocab_token_stats, response_log_probs
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 from vime.weights.hf_files import LazyHFState
 
 
-class MegatronActor(PolicyTrainActor):
+class MegatronBackend(TrainBackend):
     """megatron-core ``GPTModel``: tensor and pipeline parallel inside, data parallel by
     gradient sum."""
 
-    backend_name = "megatron"
+    name = "megatron"
 
-    def init(self, args: Any) -> int:
+    def setup(self, args: Any) -> None:
         self.args = args
         if args.hf_checkpoint is None:
             raise ValueError("the megatron backend needs --hf-checkpoint DIR")
@@ -119,8 +125,10 @@ class MegatronActor(PolicyTrainActor):
         width = convert.padded_vocab_size(vocab, self.tp) // self.tp
         self.vocab_shard = VocabShard.of_this_rank(width, vocab)
         self._index_params()
-        self._setup_training(self.named_params)
-        return self._start_rollout()
+        if self.distributed:
+            self.optimizer = DistributedOptimizer(self.model, args, params_dtype=self.param_dtype)
+        else:
+            self.optimizer = adamw(self.optimized, AdamWSettings.from_args(args))
 
     def _init_parallel(self) -> None:
         """The process groups, this rank's place in them and its pipeline stage."""
@@ -240,11 +248,6 @@ class MegatronActor(PolicyTrainActor):
             and ("q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))
         ]
 
-    def _make_optimizer(self, named_params: list[tuple[str, torch.nn.Parameter]]) -> Any:
-        if self.distributed:
-            return DistributedOptimizer(self.model, self.args, params_dtype=self.param_dtype)
-        return super()._make_optimizer(self.optimized)
-
     @property
     def dp_rank(self) -> int:
         return self._dp_rank
@@ -253,17 +256,13 @@ class MegatronActor(PolicyTrainActor):
     def trained_params(self) -> list[torch.Tensor]:
         return self.optimizer.main_params if self.distributed else self.train_params
 
-    def _weight_buffers(self) -> list[torch.Tensor]:
-        return self.optimizer.param_buffers() if self.distributed else []
+    def sleep_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if not self.distributed:
+            return [], []
+        # The gradient buffers are emptied after every step, taken or skipped (after_step).
+        return self.optimizer.param_buffers(), self.optimizer.grad_buffers()
 
-    def _scratch_buffers(self) -> list[torch.Tensor]:
-        # Emptied after every step, taken or skipped (_optimizer_step).
-        return self.optimizer.grad_buffers() if self.distributed else []
-
-    # ----- backend hooks -------------------------------------------------------------------
-
-    def _logits(self, packed: Any) -> torch.Tensor:
-        return self._loss_logits(mmodel.stage_forward(self.model, packed))
+    # ----- forward and backward ------------------------------------------------------------
 
     def _loss_logits(self, output: torch.Tensor) -> torch.Tensor:
         """The last stage's logits as the loss reads them: the HF vocabulary without
@@ -271,39 +270,61 @@ class MegatronActor(PolicyTrainActor):
         reductions over the vocabulary run across the ranks: ``vocab_parallel``)."""
         return output if self.tp > 1 else output[..., : self.model.hf_vocab_size]
 
-    def _log_probs(
-        self, logits: torch.Tensor, packed: Any, *, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.tp == 1:
-            return super()._log_probs(logits, packed, with_entropy=with_entropy)
-        return response_log_probs(
-            logits,
-            packed,
-            temperature=self.args.rollout_temperature,
-            with_entropy=with_entropy,
-            token_stats=self.vocab_shard.token_stats,
-        )
+    def _token_stats(self) -> Any:
+        """The reductions over the vocabulary: across the TP ranks' shards with TP."""
+        return self.vocab_shard.token_stats if self.tp > 1 else full_vocab_token_stats
 
-    def _run_micro_batches(
+    def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
+        return batch.pack(indices, pad_to_multiple_of=self.row_multiple).to(self.device)
+
+    def forward_backward(
         self,
         batch: Any,
-        micro_batches: Any,
+        micro_batches: Sequence[tuple[int, ...]],
         consume: MicroBatchFn,
         *,
         backward: bool,
     ) -> None:
-        """Without pipelining, the shared loop; with it, megatron-core's 1F1B schedule,
-        ``consume`` running on the last stage only."""
-        if self.pp == 1:
-            super()._run_micro_batches(batch, micro_batches, consume, backward=backward)
+        """Without pipelining, one micro-batch after another; with it, megatron-core's
+        1F1B schedule (``_run_pipelined``)."""
+        if self.pp > 1:
+            self._run_pipelined(batch, micro_batches, consume, backward=backward)
             return
+        run_in_order(
+            micro_batches,
+            consume,
+            backward=backward,
+            pack=lambda indices: self._pack(batch, indices),
+            logits=lambda packed: self._loss_logits(mmodel.stage_forward(self.model, packed)),
+            temperature=self.args.rollout_temperature,
+            token_stats=self._token_stats(),
+            before_backward=self._before_backward,
+        )
+
+    def _run_pipelined(
+        self,
+        batch: Any,
+        micro_batches: Sequence[tuple[int, ...]],
+        consume: MicroBatchFn,
+        *,
+        backward: bool,
+    ) -> None:
+        """megatron-core's 1F1B schedule, ``consume`` running on the last stage only; a
+        forward-only pass then sends the log-probs to the other stages of the replica,
+        which ``consume`` them too."""
         items = [(indices, self._pack(batch, indices)) for indices in micro_batches]
+        computed: list[torch.Tensor] = []
 
         def last_stage_loss(item: tuple, output: torch.Tensor) -> torch.Tensor:
             indices, packed = item
-            logp, entropy = self._log_probs(
-                self._loss_logits(output), packed, with_entropy=backward
+            logp, entropy = response_log_probs(
+                self._loss_logits(output),
+                packed,
+                temperature=self.args.rollout_temperature,
+                with_entropy=backward,
+                token_stats=self._token_stats(),
             )
+            computed.append(logp.detach().cpu())
             loss = consume(indices, packed, logp, entropy)
             return logp.new_zeros(()) if loss is None else loss
 
@@ -314,26 +335,22 @@ class MegatronActor(PolicyTrainActor):
             last_stage_loss,
             forward_only=not backward,
         )
+        if backward:
+            return
+        box = [computed]
+        dist.broadcast_object_list(box, src=self.pp_ranks[-1], group=self.pp_group)
+        if not self.stage.is_last:
+            for (indices, packed), logp in zip(items, box[0], strict=True):
+                consume(indices, packed, logp, None)
 
-    @torch.no_grad()
-    def compute_log_probs(self, schedule: TrainSchedule, which: str) -> PerSample:
-        """As ``PolicyTrainActor``'s; with pipelining the last stage computes them and
-        sends them to the other stages of its replica."""
-        out = super().compute_log_probs(schedule, which)
-        if self.pp > 1:
-            box = [out]
-            dist.broadcast_object_list(box, src=self.pp_ranks[-1], group=self.pp_group)
-            out = box[0]
-        return out
-
-    def _local_tensors(self) -> list[torch.Tensor]:
+    def local_tensors(self) -> list[torch.Tensor]:
         return self.params
 
     def _before_backward(self, last: bool) -> None:
         if self.distributed:
             self.optimizer.prepare_backward(last)
 
-    def _finish_grads(self) -> None:
+    def finish_grads(self) -> None:
         """Sum the step's gradient over the DP group, the partial QK-norm grads over TP,
         and tied embeddings' two halves over the first and last pipeline stages."""
         if self.distributed:
@@ -347,16 +364,14 @@ class MegatronActor(PolicyTrainActor):
         if self.dp_size > 1:
             all_reduce_sum([p.grad for p in self.train_params], self.dp_group)
 
-    def _optimizer_step(self, num_samples: int) -> StepResult:
-        """The shared chokepoint; then bf16 weights re-rounded from their main copies, or
-        the distributed optimizer's gradient buffers emptied (it has already gathered the
-        updated weights into the model)."""
-        result = super()._optimizer_step(num_samples)
+    def after_step(self, skipped: bool) -> None:
+        """bf16 weights re-rounded from their main copies, or the distributed optimizer's
+        gradient buffers emptied (it has already gathered the updated weights into the
+        model)."""
         if self.distributed:
             self.optimizer.zero_grad()
-        elif self.main is not None and not result.skipped:
+        elif self.main is not None and not skipped:
             self.main.to_model()
-        return result
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients: TP shards and pipeline stages summed, TP-replicated
@@ -430,30 +445,31 @@ class MegatronActor(PolicyTrainActor):
                     lambda h=hf_name, m=materialize: m(h),
                 )
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full HF-named weights in the checkpoint's dtype, one bucket materialized at a time.
+    def weight_buckets(
+        self, bucket_bytes: int, purpose: WeightPurpose = "full"
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF-named weights in the checkpoint's dtype, one bucket materialized at a time
+        (for every ``purpose``).
 
         A collective over the TP group: every rank must iterate it to the end.
         """
-        self._check_awake("weights")
-        return iter_buckets(self._hf_entries(self._hf_dtype(), lambda _n, p: p), bucket_bytes)
+        dtype = hf_dtype(self.hf_config)
+        return iter_buckets(self._hf_entries(dtype, lambda _n, p: p), bucket_bytes)
 
     # ----- checkpoints ---------------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
+    def save_state(self, folder: Path, with_optimizer: bool) -> None:
         """megatron-core's sharded state dict of the weights, AdamW moments and step."""
-        return mcheckpoint.sharded_state(
+        state = mcheckpoint.sharded_state(
             self.model,
             self.optimized,
             self.optimizer,
-            with_optimizer=self.optimizer_steps > 0,
+            with_optimizer=with_optimizer,
             main_weights=self.main is not None,
         )
+        mcheckpoint.save(state, folder, self.dp_group)
 
-    def _write_state(self, folder: Path) -> None:
-        mcheckpoint.save(self._state(), folder, self.dp_group)
-
-    def _checkpoint_extra(self) -> dict[str, Any]:
+    def checkpoint_extra(self) -> dict[str, Any]:
         return {
             "tp": self.tp,
             "pp": self.pp,
@@ -462,37 +478,38 @@ class MegatronActor(PolicyTrainActor):
             "transformer_impl": self.transformer_impl,
         }
 
-    def _backend_rng_state(self) -> dict[str, Any]:
+    def rng_state(self) -> dict[str, Any]:
         return {"megatron_tracker": mmodel.rng_tracker_states()}
 
-    def _set_backend_rng_state(self, rng: dict[str, Any]) -> None:
+    def set_rng_state(self, rng: dict[str, Any]) -> None:
         if "megatron_tracker" in rng:  # older checkpoints: streams stay as seeded
             mmodel.set_rng_tracker_states(rng["megatron_tracker"])
 
-    def _load(self, load_dir: str) -> int:
-        """Restore the newest checkpoint under ``load_dir``; return its rollout id."""
-        rollout_id, folder, meta = self._open_checkpoint(load_dir)
-        mcheckpoint.check_resumable(folder, meta["extra"], self._checkpoint_extra())
+    def load_state(self, saved: SavedState) -> bool:
+        """megatron-core's load, re-split onto this TP size; the RNG streams only where
+        world size, TP and PP sizes match."""
+        folder, meta = saved.folder, saved.meta
+        mcheckpoint.check_resumable(folder, meta["extra"], self.checkpoint_extra())
         mcheckpoint.load(
             self.model,
             self.optimized,
             self.optimizer,
             folder,
-            with_optimizer=self.optimizer_steps > 0,
+            with_optimizer=saved.with_optimizer,
             main_weights=self.main is not None,
         )
-        if self.optimizer_steps == 0:  # no optimizer state saved: main weights from the model
+        if not saved.with_optimizer:  # no optimizer state saved: main weights from the model
             if self.main is not None:
                 self.main.from_model()
             elif self.distributed:
                 self.optimizer.reload_model_params()
         layout = (meta["world_size"], meta["extra"].get("tp"), meta["extra"].get("pp", 1))
         if layout == (self.world, self.tp, self.pp):
-            self._restore_rng(folder)
-        elif self.rank == 0:
+            return True
+        if self.rank == 0:
             print(
                 f"vime: {folder} was saved with another layout; weights and optimizer re-split, "
                 "RNG streams left as seeded",
                 flush=True,
             )
-        return rollout_id
+        return False

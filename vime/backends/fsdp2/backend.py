@@ -1,18 +1,19 @@
-"""``FSDP2Actor``: one training rank of the ``fsdp2`` backend.
+"""``FSDP2Backend``: one training rank's model under the ``fsdp2`` backend.
 
-Where it fits: the registry names this class for ``--train-backend fsdp2``;
-the loop drives it through the ``TrainActor`` contract. Model placement is in
-``model.py``; the training step, loss, optimizer chokepoint, reference swap and
-checkpoint commit are the backend-neutral ``PolicyTrainActor``. This file holds
-what is particular to FSDP2: DTensor shards (their norm, their host copies, their
-full tensors for the weight source), sleep/wake, and the DCP state that reshards.
+Where it fits: the registry names this class for ``--train-backend fsdp2``; a
+``PolicyTrainActor`` holds it and composes the training step, loss, optimizer
+chokepoint, reference swap, sleep/wake and checkpoint commit around it through the
+``TrainBackend`` interface. Model placement is in ``model.py``, LoRA's adapters in
+``lora.py``. This file holds what is particular to FSDP2: DTensor shards (their
+norm, their full tensors for the weight source) and the DCP state that reshards.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,19 +36,27 @@ from vime.backends import varlen_attention
 from vime.backends.dropout import model_config
 from vime.backends.fsdp2 import lora as fsdp_lora
 from vime.backends.fsdp2 import model as fsdp_model
-from vime.backends.policy_actor import PolicyTrainActor
+from vime.backends.interface import (
+    MicroBatchFn,
+    SavedState,
+    TrainBackend,
+    WeightPurpose,
+    hf_dtype,
+    run_in_order,
+)
+from vime.backends.optim import AdamWSettings, adamw
 from vime.config.settings import lora_settings
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 from vime.weights.hf_files import LazyHFState
 from vime.weights.lora import LoraSettings, merge, write_peft_folder
 
 
-class FSDP2Actor(PolicyTrainActor):
+class FSDP2Backend(TrainBackend):
     """HF causal LM sharded with ``fully_shard`` over every training rank."""
 
-    backend_name = "fsdp2"
+    name = "fsdp2"
 
-    def init(self, args: Any) -> int:
+    def setup(self, args: Any) -> None:
         self.args = args
         self.rank, self.world, self.device = fsdp_model.init_distributed()
         mesh = fsdp_model.build_mesh(args.fsdp_mode, self.world, args.fsdp_shard_size, self.device)
@@ -68,7 +77,6 @@ class FSDP2Actor(PolicyTrainActor):
         self.lora = lora_settings(args)
         # A low-precision compute dtype also stores the frozen base (half the memory).
         self._base_dtype = param_dtype if param_dtype != torch.float32 else None
-        self.reference_in_model = self.lora.enabled
         self._engines_have_base = False  # an adapter-only sync sends the base first
         self._saved_tied = False  # a saved module shares its weight (set by inject)
         self.model = fsdp_model.load_sharded_model(
@@ -90,41 +98,53 @@ class FSDP2Actor(PolicyTrainActor):
         if args.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self._setup_training(list(self.model.named_parameters()))
-        return self._start_rollout()
+        self.trained_params = self.params
+        self.optimizer = adamw(self.model.named_parameters(), AdamWSettings.from_args(args))
 
     def _add_adapters(self, model: torch.nn.Module) -> None:
         self._saved_tied = fsdp_lora.inject(model, self.lora, self.args.seed)
         if self._base_dtype is not None:
             fsdp_lora.store_base(model, self._base_dtype)
 
-    # ----- backend hooks -------------------------------------------------------------------
+    # ----- the TrainBackend interface ------------------------------------------------------
 
-    def _logits(self, packed: Any) -> torch.Tensor:
-        return self.model(**packed.model_inputs()).logits
-
-    def _local_tensors(self) -> list[torch.Tensor]:
-        return [_local(p) for p in self.params]
-
-    def _weight_buffers(self) -> list[torch.Tensor]:
-        # LoRA's frozen base: weights that ``params`` (the adapters) leave out.
-        return [_local(p) for p in self.model.parameters() if not p.requires_grad]
-
-    def _run_micro_batches(self, *args: Any, backward: bool, **kwargs: Any) -> None:
+    def forward_backward(
+        self,
+        batch: Any,
+        micro_batches: Sequence[tuple[int, ...]],
+        consume: MicroBatchFn,
+        *,
+        backward: bool,
+    ) -> None:
         # Adapter dropout belongs to the update's forward only: log-prob passes (pi_old,
         # the reference, the probe) score the policy the engines serve.
         if self.lora.enabled:
             fsdp_lora.set_dropout(self.model, backward)
-        super()._run_micro_batches(*args, backward=backward, **kwargs)
+        run_in_order(
+            micro_batches,
+            consume,
+            backward=backward,
+            pack=lambda indices: batch.pack(indices, share_prompts=self.shares_prompts).to(
+                self.device
+            ),
+            logits=lambda packed: self.model(**packed.model_inputs()).logits,
+            temperature=self.args.rollout_temperature,
+            before_backward=self._before_backward,
+        )
 
-    @contextmanager
-    def _as_reference(self) -> Iterator[None]:
-        if not self.lora.enabled:
-            with super()._as_reference():
-                yield
-            return
-        with fsdp_lora.adapters_disabled(self.model):  # the base is the reference
-            yield
+    def local_tensors(self) -> list[torch.Tensor]:
+        return [_local(p) for p in self.params]
+
+    def sleep_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # LoRA's frozen base: weights that ``params`` (the adapters) leave out.
+        return [_local(p) for p in self.model.parameters() if not p.requires_grad], []
+
+    def reference(self) -> AbstractContextManager[None] | None:
+        # LoRA: the base, the adapters skipped, is the reference.
+        return fsdp_lora.adapters_disabled(self.model) if self.lora.enabled else None
+
+    def finish_grads(self) -> None:
+        """Nothing left: FSDP2 reduce-scattered (and all-reduced) in backward."""
 
     def _before_backward(self, last: bool) -> None:
         # Each backward reduce-scatters within the shard group; FSDP2 keeps the partial
@@ -142,26 +162,30 @@ class FSDP2Actor(PolicyTrainActor):
 
     # ----- weights out ---------------------------------------------------------------------
 
-    def weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def weight_buckets(
+        self, bucket_bytes: int, purpose: WeightPurpose = "full"
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named weights in the checkpoint's dtype, one bucket materialized at a time
         (LoRA: each adapted layer's merge ``W + s·BA``).
 
+        LoRA's ``sync``: the first sends the frozen base and the adapters, each later one
+        the adapters alone (float32); the engines merge them (``vime.weights.lora``), unless
+        ``--lora-merge-on-sync``. LoRA's ``export`` with the frozen base stored in the
+        compute dtype (``store_base``): that copy is rounded, so the base is read back from
+        the checkpoint, and every layer without an adapter is written bit for bit as the
+        checkpoint has it.
+
         A collective: every rank must iterate it to the end (``full_tensor`` all-gathers).
         """
-        self._check_awake("weights")
         if not self.lora.enabled:
             named = self.model.named_parameters()
             return iter_buckets((self._entry(name, p) for name, p in named), bucket_bytes)
-        return iter_buckets(self._merged_entries(), bucket_bytes)
-
-    def sync_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """LoRA: the first sync sends the frozen base and the adapters, each later one the
-        adapters alone (float32); the engines merge them (``vime.weights.lora``). With
-        ``--lora-merge-on-sync``, or without LoRA, the full weights."""
-        if not self.lora.enabled or self.lora.merge_on_sync:
-            return self.weight_buckets(bucket_bytes)
-        self._check_awake("weights")
-        return self._adapter_sync(bucket_bytes)
+        if purpose == "sync" and not self.lora.merge_on_sync:
+            return self._adapter_sync(bucket_bytes)
+        source = None
+        if purpose == "export" and self._base_dtype is not None:
+            source = LazyHFState(self.args.hf_checkpoint)
+        return iter_buckets(self._merged_entries(source), bucket_bytes)
 
     def _adapter_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         named = list(self.model.named_parameters())
@@ -190,7 +214,7 @@ class FSDP2Actor(PolicyTrainActor):
     ) -> WeightEntry:
         """``param`` under its wire name, gathered (or ``full()``) and cast (the checkpoint's
         dtype) when its bucket is asked for."""
-        dtype = dtype or self._hf_dtype()
+        dtype = dtype or hf_dtype(self.hf_config)
         full = full or (lambda p=param: _full(p))
         return WeightEntry(
             fsdp_lora.wire_name(name),
@@ -204,7 +228,7 @@ class FSDP2Actor(PolicyTrainActor):
         """Every weight under its HF name, each adapted layer merged (``W + s·B A``, fp32).
         With ``source`` (the checkpoint) a frozen base weight W is the checkpoint's own
         wherever it has it (``_base_weight``), not the copy stored in the compute dtype."""
-        dtype, scale = self._hf_dtype(), self.lora.scale
+        dtype, scale = hf_dtype(self.hf_config), self.lora.scale
         params = dict(self.model.named_parameters())
         for name, param in params.items():
             if fsdp_lora.is_adapter(name) or fsdp_lora.is_original(name):
@@ -237,22 +261,11 @@ class FSDP2Actor(PolicyTrainActor):
             return lambda: source[key]
         return lambda: torch.empty(param.shape, dtype=torch.float32)
 
-    def _export_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """LoRA with the frozen base stored in the compute dtype (``store_base``): that
-        copy is rounded, so the base is read back from the checkpoint, and every layer
-        without an adapter is written bit for bit as the checkpoint has it."""
-        if not self.lora.enabled or self._base_dtype is None:
-            return super()._export_buckets(bucket_bytes)
-        self._check_awake("weights")
-        source = LazyHFState(self.args.hf_checkpoint)
-        return iter_buckets(self._merged_entries(source), bucket_bytes)
-
-    def export_hf(self, path: str, merged: bool = False) -> None:
-        """LoRA: a PEFT adapter folder for the base checkpoint (``merged``: the full
-        model, adapters merged in). A collective: every rank gathers, rank 0 writes."""
-        if not self.lora.enabled or merged:
-            super().export_hf(path)
-            return
+    def export_adapters(self, path: str) -> bool:
+        """LoRA: a PEFT adapter folder for the base checkpoint. A collective: every rank
+        gathers, rank 0 writes."""
+        if not self.lora.enabled:
+            return False
         # Every name of a shared copy: peft loads a tied head's copy under its own name.
         named = self.model.named_parameters(remove_duplicate=False)
         adapters = {
@@ -262,44 +275,56 @@ class FSDP2Actor(PolicyTrainActor):
         }
         if self.rank == 0:
             write_peft_folder(path, adapters, self.lora, self.args.hf_checkpoint, self._saved_tied)
+        return True
 
-    def _release_gathered(self) -> None:
+    def release_gathered(self) -> None:
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 # With --no-fsdp-reshard-after-forward a forward with no backward (log-probs)
                 # leaves the groups gathered; free those full copies too.
                 module.reshard()
 
-    def _exchange(self, held: list[torch.Tensor]) -> None:
-        # With --no-fsdp-reshard-after-forward a log-prob forward leaves its weights
-        # gathered, and the next forward would compute with those copies instead of the
-        # values swapped into the shards: drop them first.
-        self._release_gathered()
-        super()._exchange(held)
-
     # ----- checkpoints ---------------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, with_optimizer: bool) -> dict[str, Any]:
         # LoRA: the adapters only; the frozen base is the --hf-checkpoint's.
         options = StateDictOptions(ignore_frozen_params=self.lora.enabled)
         state: dict[str, Any] = {"model": get_model_state_dict(self.model, options=options)}
         # A never-stepped AdamW has no state; asking DCP for it would fabricate a step.
-        if self.optimizer_steps > 0:
+        if with_optimizer:
             state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
         return state
 
-    def _load(self, load_dir: str) -> int:
-        """Restore the newest checkpoint under ``load_dir``; return its rollout id.
+    def save_state(self, folder: Path, with_optimizer: bool) -> None:
+        dcp.save(self._state(with_optimizer), checkpoint_id=str(folder))
 
-        DCP stores every tensor by its global shape, so a checkpoint saved by a
+    def load_state(self, saved: SavedState) -> bool:
+        """DCP stores every tensor by its global shape, so a checkpoint saved by a
         different number of ranks (or another ``--fsdp-mode``) is resharded on
         load. Per-rank RNG streams have no counterpart then: they are re-seeded
         from ``--seed``, the rollout id and the rank, and rank 0 says so.
         """
-        rollout_id, folder, meta = self._open_checkpoint(load_dir)
+        folder, meta = saved.folder, saved.meta
         self._check_lora(folder, meta["extra"].get("lora"))
-        saved_world = int(meta["world_size"])
-        state = self._state()
+        state = self._state(saved.with_optimizer)
+        self._read(state, folder, int(meta["world_size"]))
+        options = StateDictOptions(ignore_frozen_params=self.lora.enabled, strict=False)
+        set_model_state_dict(self.model, state["model"], options=options)
+        if "optim" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        if int(meta["world_size"]) == self.world:
+            return True
+        _seed_all(self.args.seed * 1_000_003 + saved.rollout_id * 1_009 + self.rank)
+        if self.rank == 0:
+            print(
+                f"vime: {folder} was saved by {meta['world_size']} ranks and is loaded on "
+                f"{self.world}: weights and optimizer resharded, RNG streams re-seeded",
+                flush=True,
+            )
+        return False
+
+    def _read(self, state: dict[str, Any], folder: Path, saved_world: int) -> None:
+        """DCP's load of ``state`` from ``folder``, its failures told as what to do."""
         try:
             dcp.load(state, checkpoint_id=str(folder))
         except (Exception, CheckpointException) as e:  # DCP's own is a BaseException
@@ -308,30 +333,15 @@ class FSDP2Actor(PolicyTrainActor):
             if saved_world == self.world:
                 raise checkpoint.CheckpointError(
                     f"{folder} could not be read ({reason}): a shard is corrupt though its "
-                    f"size is right; write an earlier rollout id into {load_dir}/"
+                    f"size is right; write an earlier rollout id into {folder.parent}/"
                     f"{checkpoint.TRACKER}, or start over from an HF export"
                 ) from e
             raise checkpoint.CheckpointError(
                 f"{folder} was saved by {saved_world} ranks and could not be resharded onto "
                 f"{self.world} ranks ({reason}); load it with {saved_world} ranks"
             ) from e
-        options = StateDictOptions(ignore_frozen_params=self.lora.enabled, strict=False)
-        set_model_state_dict(self.model, state["model"], options=options)
-        if "optim" in state:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        if saved_world == self.world:
-            self._restore_rng(folder)
-        else:
-            _seed_all(self.args.seed * 1_000_003 + rollout_id * 1_009 + self.rank)
-            if self.rank == 0:
-                print(
-                    f"vime: {folder} was saved by {saved_world} ranks and is loaded on "
-                    f"{self.world}: weights and optimizer resharded, RNG streams re-seeded",
-                    flush=True,
-                )
-        return rollout_id
 
-    def _checkpoint_extra(self) -> dict[str, Any]:
+    def checkpoint_extra(self) -> dict[str, Any]:
         return {"lora": _lora_fields(self.lora)}
 
     def _check_lora(self, folder: Any, saved: dict[str, Any] | None) -> None:
