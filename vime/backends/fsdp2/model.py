@@ -1,6 +1,6 @@
 """Build an HF causal LM sharded with ``fully_shard``: process group, mesh, load, wrap.
 
-Where it fits: ``FSDP2Actor.init`` calls ``init_distributed``, ``build_mesh``
+Where it fits: ``FSDP2Backend.setup`` calls ``init_distributed``, ``build_mesh``
 and ``load_sharded_model``; everything about how parameters are placed lives
 here, so the actor only trains.
 
@@ -205,16 +205,7 @@ def load_sharded_model(
     rank = dist.get_rank()
     full_state, full_buffers = {}, {}
     if rank == 0:
-        full = AutoModelForCausalLM.from_pretrained(
-            hf_checkpoint,
-            config=copy.deepcopy(config),
-            dtype=torch.float32,
-            attn_implementation=attn_implementation,
-        )
-        if adapt is not None:
-            adapt(full)
-        full_state = full.state_dict()
-        full_buffers = dict(full.named_buffers())
+        full_state, full_buffers = _full_state(hf_checkpoint, config, attn_implementation, adapt)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=attn_implementation
@@ -239,6 +230,26 @@ def load_sharded_model(
                 buf.copy_(full_buffers[name])
             dist.broadcast(buf, src=0)
     return model
+
+
+def _full_state(
+    hf_checkpoint: str,
+    config: Any,
+    attn_implementation: str,
+    adapt: Callable[[torch.nn.Module], None] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Rank 0's whole model, loaded in fp32 and adapted: its state and its buffers."""
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(
+        hf_checkpoint,
+        config=copy.deepcopy(config),
+        dtype=torch.float32,
+        attn_implementation=attn_implementation,
+    )
+    if adapt is not None:
+        adapt(full)
+    return full.state_dict(), dict(full.named_buffers())
 
 
 def _post_order(module: torch.nn.Module) -> Iterator[torch.nn.Module]:

@@ -234,6 +234,13 @@ def check_architecture(hf_config: Any, tp: int = 1) -> Rope:
         _reject(hf_config, "mlp_bias=True")
     if getattr(hf_config, "partial_rotary_factor", 1.0) != 1.0:
         _reject(hf_config, "partial rotary embeddings (partial_rotary_factor != 1)")
+    rope = _check_rope(hf_config)
+    _check_heads(hf_config, tp)
+    return rope
+
+
+def _check_rope(hf_config: Any) -> Rope:
+    """The RoPE settings, if megatron-core's RoPE computes them: default or llama3."""
     base, scaling = _rope(hf_config)
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     rope_scaling, factor = False, 8.0
@@ -249,7 +256,11 @@ def check_architecture(hf_config: Any, tp: int = 1) -> Rope:
         rope_scaling, factor = True, float(scaling["factor"])
     elif rope_type != "default":
         _reject(hf_config, f"rope scaling type {rope_type!r} (only default and llama3)")
+    return Rope(base, rope_scaling, factor)
 
+
+def _check_heads(hf_config: Any, tp: int) -> None:
+    """The attention heads group evenly, and ``tp`` divides the KV heads and the MLP."""
     heads, kv_heads = int(hf_config.num_attention_heads), num_kv_heads(hf_config)
     if heads % kv_heads:
         _reject(hf_config, f"{heads} attention heads not divisible by {kv_heads} KV heads")
@@ -265,7 +276,6 @@ def check_architecture(hf_config: Any, tp: int = 1) -> Rope:
             f"tensor-parallel size {tp} (--megatron-tensor-parallel-size) must divide "
             f"intermediate_size {hf_config.intermediate_size}",
         )
-    return Rope(base, rope_scaling, factor)
 
 
 def _read_hf_config(hf_checkpoint: str | None) -> dict[str, Any] | None:

@@ -197,68 +197,73 @@ def _shim_grad_clip() -> None:
     """
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as moptimizer
-    from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
-
-    def get_grad_norm_fp32(
-        grads_for_norm: list[torch.Tensor] | torch.Tensor,
-        norm_type: float = 2,
-        grad_stats_parallel_group: Any = None,
-    ) -> float:
-        if isinstance(grads_for_norm, torch.Tensor):
-            grads_for_norm = [grads_for_norm]
-        dp_group = None
-        for grad in grads_for_norm:
-            dp_group = get_data_parallel_group_if_dtensor(grad, dp_group)
-        grads = [to_local_if_dtensor(g).float() for g in grads_for_norm]
-        norm_type = float(norm_type)
-        if norm_type == math.inf:
-            total = torch.zeros(1)
-            for g in grads:
-                total = torch.maximum(total, g.abs().max())
-            op = dist.ReduceOp.MAX
-        else:
-            total = torch.zeros(1)
-            for g in grads:
-                total += torch.linalg.vector_norm(g, norm_type) ** norm_type
-            op = dist.ReduceOp.SUM
-        if dp_group:
-            dist.all_reduce(total, op=op, group=dp_group)
-        dist.all_reduce(total, op=op, group=grad_stats_parallel_group)
-        if norm_type == math.inf:
-            return float(total.item())
-        return float(total.item()) ** (1.0 / norm_type)
-
-    def clip_grad_by_total_norm_fp32(
-        parameters: Iterable[torch.Tensor] | torch.Tensor,
-        max_norm: float,
-        total_norm: float,
-        use_decoupled_grad: bool = False,
-    ) -> None:
-        if isinstance(parameters, torch.Tensor):
-            parameters = [parameters]
-        attr = "decoupled_grad" if use_decoupled_grad else "grad"
-        grads = []
-        for param in parameters:
-            grad = getattr(param, attr, None)
-            if grad is not None:
-                # As the original: fp32 grads (decoupled grads may also be bf16).
-                allowed = (
-                    (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
-                )
-                if grad.dtype not in allowed:
-                    raise TypeError(f"expected {allowed} gradients, got {grad.dtype}")
-                grads.append(to_local_if_dtensor(grad).detach())
-        clip_coeff = max_norm / (total_norm + 1.0e-6)
-        if clip_coeff < 1.0:
-            torch._foreach_mul_(grads, clip_coeff)
 
     replacements = {
-        "get_grad_norm_fp32": get_grad_norm_fp32,
-        "clip_grad_by_total_norm_fp32": clip_grad_by_total_norm_fp32,
+        "get_grad_norm_fp32": _get_grad_norm_fp32,
+        "clip_grad_by_total_norm_fp32": _clip_grad_by_total_norm_fp32,
     }
     for module in (clip_grads, moptimizer):  # vime builds no other megatron optimizer
         for name, fn in replacements.items():
             setattr(module, name, fn)
+
+
+def _get_grad_norm_fp32(
+    grads_for_norm: list[torch.Tensor] | torch.Tensor,
+    norm_type: float = 2,
+    grad_stats_parallel_group: Any = None,
+) -> float:
+    """megatron-core's ``get_grad_norm_fp32`` on host tensors."""
+    from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
+
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    dp_group = None
+    for grad in grads_for_norm:
+        dp_group = get_data_parallel_group_if_dtensor(grad, dp_group)
+    grads = [to_local_if_dtensor(g).float() for g in grads_for_norm]
+    norm_type = float(norm_type)
+    if norm_type == math.inf:
+        total = torch.zeros(1)
+        for g in grads:
+            total = torch.maximum(total, g.abs().max())
+        op = dist.ReduceOp.MAX
+    else:
+        total = torch.zeros(1)
+        for g in grads:
+            total += torch.linalg.vector_norm(g, norm_type) ** norm_type
+        op = dist.ReduceOp.SUM
+    if dp_group:
+        dist.all_reduce(total, op=op, group=dp_group)
+    dist.all_reduce(total, op=op, group=grad_stats_parallel_group)
+    if norm_type == math.inf:
+        return float(total.item())
+    return float(total.item()) ** (1.0 / norm_type)
+
+
+def _clip_grad_by_total_norm_fp32(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    total_norm: float,
+    use_decoupled_grad: bool = False,
+) -> None:
+    """megatron-core's ``clip_grad_by_total_norm_fp32`` on host tensors."""
+    from megatron.core.utils import to_local_if_dtensor
+
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = []
+    for param in parameters:
+        grad = getattr(param, attr, None)
+        if grad is not None:
+            # As the original: fp32 grads (decoupled grads may also be bf16).
+            allowed = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+            if grad.dtype not in allowed:
+                raise TypeError(f"expected {allowed} gradients, got {grad.dtype}")
+            grads.append(to_local_if_dtensor(grad).detach())
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
 
 
 # ----- pipeline parallelism ------------------------------------------------------------------
