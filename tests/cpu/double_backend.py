@@ -26,7 +26,8 @@ from vime.backends.interface import (
     hf_dtype,
     run_in_order,
 )
-from vime.backends.optim import AdamWSettings, adamw
+from vime.backends.optim import adamw
+from vime.config.settings import adamw_settings
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 
 
@@ -61,7 +62,7 @@ class DoubleBackend(TrainBackend):
             for param in self.model.parameters():
                 param.data = param.data.clone()
         self.trained_params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = adamw(self.model.named_parameters(), AdamWSettings.from_args(args))
+        self.optimizer = adamw(self.model.named_parameters(), adamw_settings(args))
 
     def forward_backward(
         self,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -50,10 +49,6 @@ class AdamWSettings:
     weight_decay: float
     betas: tuple[float, float]
     eps: float
-
-    @classmethod
-    def from_args(cls, args: Any) -> AdamWSettings:
-        return cls(args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps)
 
 
 def adamw(

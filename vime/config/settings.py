@@ -18,6 +18,7 @@ from vime.algo.correction import RolloutCorrection
 from vime.algo.custom import load_function
 from vime.algo.losses import policy_loss
 from vime.algo.objective import LossConfig
+from vime.backends.optim import AdamWSettings
 from vime.config.rollout_settings import agent_settings, reward_settings, rollout_settings
 from vime.ray.transports import SyncSettings
 from vime.rollout.rewards import RewardSettings
@@ -57,6 +58,15 @@ def sync_settings(args: argparse.Namespace) -> SyncSettings:
         colocate=args.colocate,
         gpus_per_engine=args.rollout_num_gpus_per_engine,
         output_dir=args.output_dir,
+    )
+
+
+def adamw_settings(args: argparse.Namespace) -> AdamWSettings:
+    return AdamWSettings(
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
     )
 
 

@@ -44,8 +44,8 @@ from vime.backends.interface import (
     hf_dtype,
     run_in_order,
 )
-from vime.backends.optim import AdamWSettings, adamw
-from vime.config.settings import lora_settings
+from vime.backends.optim import adamw
+from vime.config.settings import adamw_settings, lora_settings
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 from vime.weights.hf_files import LazyHFState
 from vime.weights.lora import LoraSettings, merge, write_peft_folder
@@ -99,7 +99,7 @@ class FSDP2Backend(TrainBackend):
             self.model.gradient_checkpointing_enable()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.trained_params = self.params
-        self.optimizer = adamw(self.model.named_parameters(), AdamWSettings.from_args(args))
+        self.optimizer = adamw(self.model.named_parameters(), adamw_settings(args))
 
     def _add_adapters(self, model: torch.nn.Module) -> None:
         self._saved_tied = fsdp_lora.inject(model, self.lora, self.args.seed)

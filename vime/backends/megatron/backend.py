@@ -84,7 +84,8 @@ from vime.backends.megatron.distrib_optim import DistributedOptimizer
 from vime.backends.megatron.main_params import MainParams
 from vime.backends.megatron.shims import apply_cpu_shims
 from vime.backends.megatron.vocab_parallel import VocabShard
-from vime.backends.optim import AdamWSettings, adamw
+from vime.backends.optim import adamw
+from vime.config.settings import adamw_settings
 from vime.data.micro_batch import full_vocab_token_stats, response_log_probs
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 from vime.weights.hf_files import LazyHFState
@@ -128,7 +129,7 @@ class MegatronBackend(TrainBackend):
         if self.distributed:
             self.optimizer = DistributedOptimizer(self.model, args, params_dtype=self.param_dtype)
         else:
-            self.optimizer = adamw(self.optimized, AdamWSettings.from_args(args))
+            self.optimizer = adamw(self.optimized, adamw_settings(args))
 
     def _init_parallel(self) -> None:
         """The process groups, this rank's place in them and its pipeline stage."""
