@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         key, _, value = item.partition("=")
         os.environ[key] = value
 
+    from vime.rollout.engines.vllm import VLLMEngine
     from vime.rollout.types import SamplingParams
-    from vime.rollout.vllm_engine import VLLMEngine
 
     with tempfile.TemporaryDirectory() as folder:
         checkpoint = _build_model(folder, args.hidden, args.layers, args.vocab)

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     from vime.ray.engines import EngineActor
-    from vime.rollout.registry import EngineOptions
+    from vime.rollout.engines.registry import EngineOptions
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = _build_model(str(Path(tmp) / "model"), args.layers, args.hidden)

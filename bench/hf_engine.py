@@ -4,7 +4,7 @@ Where it fits: the ``hf`` rollout engine's performance check (bench/README.md). 
 paths sample the same prompts from the same checkpoint at temperature 1 with EOS (id 1)
 as stop token, and both return each sampled token's log-prob:
 
-- **HFEngine.generate**: ``vime.rollout.hf_engine.HFEngine`` at its defaults, one
+- **HFEngine.generate**: ``vime.rollout.engines.hf.HFEngine`` at its defaults, one
   ``generate`` call with ``SamplingParams(n=..., seed=...)``;
 - **model.generate**: one batched transformers ``model.generate(do_sample=True,
   num_return_sequences=n, output_scores=True, return_dict_in_generate=True, top_k=0,
@@ -93,7 +93,7 @@ def generated(rows: list[list[int]]) -> int:
 
 
 def engine_path(folder: str, prompts: list[list[int]], args: argparse.Namespace):
-    from vime.rollout.hf_engine import HFEngine
+    from vime.rollout.engines.hf import HFEngine
     from vime.rollout.types import SamplingParams
 
     engine = HFEngine(folder)

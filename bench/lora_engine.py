@@ -86,8 +86,8 @@ def run_path(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from vime.rollout.engines.vllm import VLLMEngine
     from vime.rollout.types import SamplingParams
-    from vime.rollout.vllm_engine import VLLMEngine
     from vime.weights.lora import AdapterLoader, AdapterMerger, EngineLora, LoraSettings
 
     hf_logging.disable_progress_bar()

@@ -28,7 +28,7 @@ from vime.rollout.agent import (
     Trajectory,
     load_generate_function,
 )
-from vime.rollout.hf_engine import HFEngine
+from vime.rollout.engines.hf import HFEngine
 from vime.rollout.types import Completion, SamplingParams
 
 EOS = 1

@@ -1,4 +1,4 @@
-"""``vime.ray.engines``: the engine choice (``vime.rollout.registry``) and how prompts
+"""``vime.ray.engines``: the engine choice (``vime.rollout.engines.registry``) and how prompts
 are split over engines.
 
 Proves that ``--rollout-engine auto`` picks vLLM exactly when it imports -- not
@@ -49,10 +49,10 @@ from vime.ray.engines import (
     engine_actor_spec,
 )
 from vime.ray.placement import Layout
-from vime.rollout.builders import engine_max_model_len, hf_engine_dtype
-from vime.rollout.registry import TINY_MODEL_REASON, EngineOptions, resolve_engine
+from vime.rollout.engines.builders import engine_max_model_len, hf_engine_dtype
+from vime.rollout.engines.registry import TINY_MODEL_REASON, EngineOptions, resolve_engine
+from vime.rollout.engines.vllm import vllm_import_error
 from vime.rollout.types import SamplingParams
-from vime.rollout.vllm_engine import vllm_import_error
 
 BROKEN_VLLM = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
 
@@ -307,7 +307,7 @@ def test_completions_do_not_depend_on_the_number_of_engines(
 ) -> None:
     """The same seed gives token-identical completions from 1, 2 or 3 engines: each chunk
     is seeded by its whole-batch prompt indices, not by its position within the chunk."""
-    from vime.rollout.hf_engine import HFEngine
+    from vime.rollout.engines.hf import HFEngine
 
     monkeypatch.setattr(engines, "wait_all", lambda refs, what: list(refs))
     checkpoint = save_tiny(str(tmp_path / "model"), tiny_qwen3_config(vocab_size=48), seed=3)
@@ -389,7 +389,7 @@ def test_a_process_an_engine_starts_joins_the_runs_ray_cluster() -> None:
     ray = pytest.importorskip("ray")
     import subprocess
 
-    from vime.rollout import vllm_engine
+    from vime.rollout.engines import vllm
 
     child = (
         "import ray; ray.init(log_to_driver=False); "
@@ -401,7 +401,7 @@ def test_a_process_an_engine_starts_joins_the_runs_ray_cluster() -> None:
         @ray.remote(num_cpus=0)
         class Engine:
             def clusters(self) -> tuple[str, str]:
-                vllm_engine._children_join_this_ray()
+                vllm._children_join_this_ray()
                 out = subprocess.run(
                     [sys.executable, "-c", child], capture_output=True, text=True, timeout=120
                 )

@@ -326,7 +326,7 @@ def test_adapter_only_sync_serves_what_a_merged_sync_does(any_steps) -> None:
     adapters, then the adapters alone (and saved modules; streamed bucket by bucket), the
     other the merged weights each time. Same tensors, same log-probs, bit for bit."""
     from vime.ray.engines import EngineActor
-    from vime.rollout.registry import EngineOptions
+    from vime.rollout.engines.registry import EngineOptions
     from vime.weights.lora import EngineLora, LoraSettings
 
     steps = any_steps

@@ -37,8 +37,8 @@ from transformers import AutoModelForCausalLM
 
 from tests.cpu.tiny_models import save_tiny, tiny_qwen3_config
 from vime.data.micro_batch import pack_micro_batch, response_log_probs
-from vime.rollout import hf_engine
-from vime.rollout.hf_engine import HFEngine, row_keys, uniforms
+from vime.rollout.engines import hf as hf_engine
+from vime.rollout.engines.hf import HFEngine, row_keys, uniforms
 from vime.rollout.types import Completion, SamplingParams
 
 EOS = 1

@@ -25,9 +25,9 @@ from vime.ray.cluster import init_local_ray
 from vime.ray.errors import ActorFailure
 from vime.ray.placement import Layout, reserve
 from vime.rollout.agent import AgentRollouts, Trajectory
+from vime.rollout.engines.registry import EngineOptions
 from vime.rollout.manager import RolloutManager
 from vime.rollout.producer import ProducerSettings, RolloutProducer
-from vime.rollout.registry import EngineOptions
 from vime.rollout.rewards import build_reward_scorer
 
 ray = pytest.importorskip("ray")

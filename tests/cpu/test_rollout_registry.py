@@ -26,7 +26,7 @@ from vime.config.rollout_flags import WEIGHT_SYNC_TRANSPORTS
 from vime.config.settings import sync_settings
 from vime.errors import ConfigError
 from vime.ray import transport_names, transports
-from vime.rollout import registry
+from vime.rollout.engines import registry
 
 
 def _choices(dest: str) -> tuple[str, ...]:
@@ -103,7 +103,7 @@ def test_auto_that_may_choose_an_engine_without_in_flight_updates_refuses_max_st
 
 def test_engine_actor_builds_through_the_registry(tmp_path: Path) -> None:
     from vime.ray.engines import EngineActor
-    from vime.rollout.hf_engine import HFEngine
+    from vime.rollout.engines.hf import HFEngine
 
     checkpoint = save_tiny(str(tmp_path / "model"), tiny_qwen3_config(vocab_size=48), seed=1)
     actor = EngineActor("hf", checkpoint, registry.EngineOptions(num_threads=1))

@@ -29,10 +29,10 @@ from vime.data.prompts import Prompt
 from vime.data.tasks import CHARSET, LOOKUP_TOOLS, _lookup_table
 from vime.errors import ConfigError
 from vime.models.embedded import EOS_ID, build_tokenizer
-from vime.rollout import tools
 from vime.rollout.agent import CALLS_PER_SAMPLE, AgentRollouts
 from vime.rollout.settings import ToolSettings
-from vime.rollout.tool_loop import (
+from vime.rollout.tools import toolbox as tools
+from vime.rollout.tools.loop import (
     ChatFormat,
     PlainFormat,
     ToolLoop,
@@ -41,7 +41,7 @@ from vime.rollout.tool_loop import (
     check_tool_format,
     tool_format,
 )
-from vime.rollout.tools import ParseError, Toolbox, ToolCall, load_tools
+from vime.rollout.tools.toolbox import ParseError, Toolbox, ToolCall, load_tools
 from vime.rollout.types import Completion, SamplingParams
 
 

@@ -29,20 +29,20 @@ from chat_fixtures import TOOLS_PY, chat_tokenizer
 from vime.backends.registry import resolve
 from vime.errors import ConfigError
 from vime.rollout.settings import ToolSettings
-from vime.rollout.tool_parsers import PARSERS, get_tool_parser, tool_parser_choices
-from vime.rollout.tool_turns import (
-    TRUNCATED,
-    TemplateDriftError,
-    ToolTurnRenderer,
-    truncate_output,
-)
-from vime.rollout.tools import (
+from vime.rollout.tools.parsers import PARSERS, get_tool_parser, tool_parser_choices
+from vime.rollout.tools.toolbox import (
     ParseError,
     Toolbox,
     ToolCall,
     ToolResult,
     load_tools,
     parse_tool_calls,
+)
+from vime.rollout.tools.turns import (
+    TRUNCATED,
+    TemplateDriftError,
+    ToolTurnRenderer,
+    truncate_output,
 )
 
 

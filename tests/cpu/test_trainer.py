@@ -54,7 +54,7 @@ from vime.data.batch import RolloutBatch, schedule
 from vime.perf import safetensors_shapes
 from vime.ray.transports import weight_transport
 from vime.ray.turns import DeviceTurns
-from vime.rollout.registry import TINY_MODEL_REASON
+from vime.rollout.engines.registry import TINY_MODEL_REASON
 from vime.setup.parts import loop_settings
 from vime.trainer import plan_updates, save_due, update_order_seed
 

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.cpu.tiny_models import save_tiny, tiny_qwen3_config
-from vime.rollout.hf_engine import HFEngine
+from vime.rollout.engines.hf import HFEngine
 from vime.weights.update_stream import UpdateStream
 
 

@@ -59,9 +59,9 @@ pytest.importorskip("vllm")
 from tiny_models import save_tiny, tiny_qwen3_config
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from vime.rollout.registry import EngineOptions
+from vime.rollout.engines.registry import EngineOptions
+from vime.rollout.engines.vllm import VLLMEngine
 from vime.rollout.types import Completion, SamplingParams
-from vime.rollout.vllm_engine import VLLMEngine
 
 VOCAB = 64
 PROMPTS = [[3, 17, 9], [40, 2, 2, 51, 8], [12]]
@@ -132,7 +132,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 
 
 def test_import_does_not_load_vllm() -> None:
-    code = "import sys, vime.rollout.vllm_engine; assert 'vllm' not in sys.modules"
+    code = "import sys, vime.rollout.engines.vllm; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
@@ -479,7 +479,7 @@ def test_a_score_during_a_generation_waits_for_it(
 def test_prompt_logit_scale_wraps_the_v2_model_runner() -> None:
     """vLLM's V2 model runner (CUDA's default; the CPU build runs V1, which the tests
     above use) hands its prompt log-probs the logits function: the scale wraps it."""
-    from vime.rollout.vllm_engine import VimeWorkerExtension
+    from vime.rollout.engines.vllm import VimeWorkerExtension
 
     calls: list[Any] = []
 
@@ -506,7 +506,7 @@ def test_prompt_logit_scale_wraps_the_v2_model_runner() -> None:
 TP_ENGINE = r"""
 import json, sys
 from safetensors.torch import load_file
-from vime.rollout.vllm_engine import VLLMEngine
+from vime.rollout.engines.vllm import VLLMEngine
 from vime.weights.update_stream import UpdateStream
 
 def main(old: str, new: str) -> None:

@@ -35,8 +35,8 @@ from tests.cpu.test_vllm_engine import (
     _step_hook,
 )
 from tests.cpu.tiny_models import tiny_qwen3_config
+from vime.rollout.engines.vllm import VLLMEngine
 from vime.rollout.types import SamplingParams
-from vime.rollout.vllm_engine import VLLMEngine
 from vime.weights.lora import (
     AdapterLoader,
     EngineLora,

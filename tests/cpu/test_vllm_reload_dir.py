@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from vime.rollout.vllm_engine import reload_dir
+from vime.rollout.engines.vllm import reload_dir
 
 
 def test_ram_folder_only_when_the_weights_fit(tmp_path: Path) -> None:

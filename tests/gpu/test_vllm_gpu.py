@@ -72,7 +72,7 @@ def _reference(folder: str, ids: list[int], start: int) -> list[float]:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     pytest.importorskip("vllm")
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.rollout.engines.vllm import VLLMEngine
 
     folder = _checkpoint(tmp_path_factory.mktemp("ckpt") / "model")
     # Eager: the compile and CUDA-graph capture would take a minute of a short lease.

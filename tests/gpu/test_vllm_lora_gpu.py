@@ -30,7 +30,7 @@ def test_vllm_serves_each_syncs_adapters_on_a_bf16_base(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from tests.cpu.test_vllm_lora import SETTINGS, _adapters, _merged
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.rollout.engines.vllm import VLLMEngine
     from vime.weights.lora import AdapterLoader, EngineLora
 
     folder = _checkpoint(tmp_path / "model", logit_scale=4.0)

@@ -1,8 +1,8 @@
 """The rollout engines' own flag checks, run while parsing.
 
-Where it fits: ``vime.rollout.registry`` names these functions in each engine's
+Where it fits: ``vime.rollout.engines.registry`` names these functions in each engine's
 ``EngineSpec`` (``validate``); ``vime.config.validate`` runs them. The flags
-themselves are added by ``vime.rollout.engine_flags``. Argparse only: no torch, no
+themselves are added by ``vime.rollout.engines.flags``. Argparse only: no torch, no
 engine library.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from vime.errors import ConfigError
-from vime.rollout.engine_flags import (
+from vime.rollout.engines.flags import (
     VLLM_COLOCATED_GPU_MEMORY_SHARE,
     VLLM_GPU_MEMORY_SHARE,
     VLLM_LORA_RANKS,

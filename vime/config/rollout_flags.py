@@ -12,11 +12,11 @@ import argparse
 
 from vime.config.flag_types import non_negative_int, positive_int
 from vime.ray import transport_names
-from vime.rollout import registry as engine_registry
-from vime.rollout import tool_parsers
+from vime.rollout.engines import registry as engine_registry
 from vime.rollout.settings import ToolLoopSettings, ToolSettings
+from vime.rollout.tools import parsers as tool_parsers
 
-# The engines' names and their own flags come from vime.rollout.registry, the weight
+# The engines' names and their own flags come from vime.rollout.engines.registry, the weight
 # transports' names from vime.ray.transport_names (neither imports torch or Ray).
 ROLLOUT_ENGINES = engine_registry.rollout_engine_choices()
 RM_TYPES = ("math", "exact", "builtin")

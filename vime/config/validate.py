@@ -18,8 +18,8 @@ from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.config.lora_flags import check_lora
 from vime.config.model_args import check_model_args_against_checkpoint
 from vime.errors import ConfigError
-from vime.rollout import registry as engine_registry
-from vime.rollout import tool_parsers
+from vime.rollout.engines import registry as engine_registry
+from vime.rollout.tools import parsers as tool_parsers
 
 
 def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
@@ -447,7 +447,7 @@ def _check_agent(args: argparse.Namespace) -> None:
         from vime.config.rollout_settings import tool_loop_settings
 
         tool_loop_settings(args)  # the loop's limits, checked at parse time
-        from vime.rollout.tools import load_tools
+        from vime.rollout.tools.toolbox import load_tools
 
         load_tools(args.tools).close()
     if args.custom_generate_function_path is not None:
@@ -460,7 +460,7 @@ def _check_tool_parser(args: argparse.Namespace) -> None:
     """``--tool-parser`` (default auto): only the tool loop reads turns with it, and a
     named parser must fit the prompts' form. Whether an ``--hf-checkpoint``'s tokenizer
     has a chat template is known once it is loaded (the run checks it then, before
-    Ray starts: ``vime.rollout.tool_loop.check_tool_format``); the embedded model's has
+    Ray starts: ``vime.rollout.tools.loop.check_tool_format``); the embedded model's has
     none."""
     name = args.tool_parser
     args.tool_parser = name or tool_parsers.AUTO

@@ -189,7 +189,7 @@ def _build_largest_digit() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
 # Every key (4 letters of 'abcd', as the reverse task's strings) holds a random value
 # (8 letters of 'abcd'), so a held-out key's value cannot be learned, only looked up:
 # to the prompt ``get abcd=`` the model calls ``get abcd`` (the plain tool format of
-# ``vime.rollout.tool_loop``), the tool's answer is appended as ``cadbbada=``, and the
+# ``vime.rollout.tools.loop``), the tool's answer is appended as ``cadbbada=``, and the
 # model then answers ``cadbbada``: the call and the answer each copy the token 9 back.
 # The label is "<key> <value>".
 

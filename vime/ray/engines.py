@@ -5,7 +5,7 @@ rollout bundles, from the run's ``EngineOptions``; ``vime.rollout.manager`` asks
 for completions; the run's weight transport (``vime.ray.transports``) pushes new
 weights into it, its engine side running in each actor (``receive_weights``). Each
 actor resolves ``--rollout-engine`` and builds its engine through
-``vime.rollout.registry`` (any engine meeting ``vime.rollout.types.RolloutEngine``)
+``vime.rollout.engines.registry`` (any engine meeting ``vime.rollout.types.RolloutEngine``)
 and never sees the training processes.
 
 Timing (``vime.profiling``): each actor records a span around every call that works
@@ -30,7 +30,7 @@ from vime.errors import ConfigError
 from vime.ray.errors import label_actor, wait_all
 from vime.ray.placement import Layout, Placement, pin_process, process_cores
 from vime.ray.transports import transport_class
-from vime.rollout import registry
+from vime.rollout.engines import registry
 from vime.rollout.types import Completion, SamplingParams
 from vime.weights.lora import AdapterLoader, engine_receiver
 from vime.weights.update_stream import UpdateStream

@@ -1,6 +1,6 @@
 """The weight transports' names and what each does: ``--weight-sync``'s choices.
 
-Where it fits: the one list of the transports, as ``vime.rollout.registry`` is of the
+Where it fits: the one list of the transports, as ``vime.rollout.engines.registry`` is of the
 engines. The flag parser (``vime.config.flags``) takes ``--weight-sync``'s choices and
 the help's account of ``auto`` from here; ``vime.ray.transports`` holds one class per
 name (its ``TRANSPORTS``, in this order; a test keeps the two equal) and resolves

@@ -4,7 +4,7 @@ Where it fits: with ``--tools`` or ``--custom-generate-function-path`` the
 ``RolloutManager`` hands its prompts to :class:`AgentRollouts` instead of one
 engine call. Every sample (prompt x ``--n-samples-per-prompt``) runs a generate
 function ``async fn(sample: AgentSample, engine: EngineHandle) -> Trajectory``
-(slime's custom-generate seam; the built-in tool loop, ``vime.rollout.tool_loop``,
+(slime's custom-generate seam; the built-in tool loop, ``vime.rollout.tools.loop``,
 is one). The function extends the prompt with the engine's tokens (mask 1, their
 log-probs) and its own environment tokens (mask 0); it returns them as a
 :class:`Trajectory`, which becomes a ``Completion`` with a ``loss_mask``: token in,

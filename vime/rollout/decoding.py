@@ -1,7 +1,7 @@
 """What ends a model turn, and a turn's tokens as the text rewards and tools read.
 
 Where it fits: ``RolloutManager`` (single-turn responses, for the reward) and the
-tool loop (``vime.rollout.tool_loop``, each model turn, for its parser) both stop
+tool loop (``vime.rollout.tools.loop``, each model turn, for its parser) both stop
 generation at the same ids and decode a turn the same way.
 """
 

@@ -48,7 +48,7 @@ from vime.rollout.agent import AgentRollouts
 from vime.rollout.decoding import decode_turns, stop_token_ids
 from vime.rollout.rewards import RewardInput, RewardScorer
 from vime.rollout.settings import RolloutSettings
-from vime.rollout.tools import ERROR_KINDS
+from vime.rollout.tools.toolbox import ERROR_KINDS
 from vime.rollout.types import Completion, SamplingParams
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vime.errors import ConfigError
-from vime.rollout.tool_parsers import AUTO
+from vime.rollout.tools.parsers import AUTO
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class ToolSettings:
 @dataclass(frozen=True)
 class ToolLoopSettings:
     """``max_turns`` model turns at most; the tools' own limits; ``parser``, the
-    ``--tool-parser`` name (``vime.rollout.tool_parsers``; ``auto`` resolved by the
+    ``--tool-parser`` name (``vime.rollout.tools.parsers``; ``auto`` resolved by the
     tokenizer when the loop is built)."""
 
     max_turns: int = 4

@@ -1,7 +1,7 @@
 """What flows between the rollout manager and an engine.
 
 Where it fits: ``RolloutManager`` sends token-id prompts and one
-``SamplingParams``; every engine (``hf_engine``, ``vllm_engine``) answers with
+``SamplingParams``; every engine (``engines.hf``, ``engines.vllm``) answers with
 ``Completion`` objects carrying the sampled tokens and their log-probs at the
 sampling temperature, which training compares against its own forward. The
 ``RolloutEngine`` protocol is the whole contract an engine must meet.

@@ -3,7 +3,7 @@
 Where it fits: ``vime.setup.run.build_run`` calls ``build_cluster`` (Ray started or
 joined, the cluster's devices checked, one placement group: ``vime.ray``), then
 ``build_actors``: the ranks initialise while the engines start on ``EngineOptions``
-(``vime.rollout.registry``), or after them under ``--colocate`` (``DeviceTurns``).
+(``vime.rollout.engines.registry``), or after them under ``--colocate`` (``DeviceTurns``).
 ``--cpu-split`` gives each side cores of its own on a CPU run (``cpu_split``).
 """
 
@@ -20,7 +20,7 @@ from vime.ray.engines import EngineGroup
 from vime.ray.placement import Layout, layout_of, reserve, split_cores
 from vime.ray.train_group import RayTrainGroup
 from vime.ray.turns import DeviceTurns
-from vime.rollout.registry import EngineOptions
+from vime.rollout.engines.registry import EngineOptions
 from vime.setup.parts import Actors, Cluster, Console, Model
 from vime.weights.lora import LoraSettings, engine_lora
 

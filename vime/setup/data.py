@@ -24,8 +24,8 @@ from vime.data.prompts import (
 )
 from vime.rollout.rewards import RewardSettings, build_reward_scorer
 from vime.rollout.settings import AgentSettings
-from vime.rollout.tool_loop import check_tool_format
-from vime.rollout.tools import load_tools
+from vime.rollout.tools.loop import check_tool_format
+from vime.rollout.tools.toolbox import load_tools
 from vime.setup.parts import Closer, Console, Model, Prompts
 
 EMBEDDED_MODEL_DIR = "embedded_model"

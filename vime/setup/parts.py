@@ -24,7 +24,7 @@ from vime.ray.transports import WeightTransport
 from vime.ray.turns import DeviceTurns
 from vime.rollout.manager import RolloutManager
 from vime.rollout.producer import RolloutProducer
-from vime.rollout.tools import Toolbox
+from vime.rollout.tools.toolbox import Toolbox
 from vime.step_timing import StepTiming
 from vime.tracking import Tracker
 

@@ -26,7 +26,7 @@ from vime.ray.transports import make_transport
 from vime.rollout.manager import RolloutManager
 from vime.rollout.producer import ProducerSettings, RolloutProducer
 from vime.rollout.rewards import reward_needs_label
-from vime.rollout.tool_loop import build_agent
+from vime.rollout.tools.loop import build_agent
 from vime.setup.actors import build_actors, build_cluster
 from vime.setup.data import build_model, build_prompts, build_scorer, resolve_run
 from vime.setup.parts import (

@@ -8,8 +8,8 @@ its engine through the spec's builder. Every part is named by ``module:attribute
 resolved on demand, so ``vime-train --help`` imports no engine (and no torch).
 
 Adding an engine: a builder ``(checkpoint, EngineOptions) -> RolloutEngine`` (see
-``vime.rollout.builders``) and one ``EngineSpec`` below; its own flags, if it has any,
-in a light module (argparse only, like ``vime.rollout.engine_flags``).
+``vime.rollout.engines.builders``) and one ``EngineSpec`` below; its own flags, if it has any,
+in a light module (argparse only, like ``vime.rollout.engines.flags``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vime.backends.registry import resolve
-from vime.rollout.engine_flags import VLLM_GPU_MEMORY_SHARE
+from vime.rollout.engines.flags import VLLM_GPU_MEMORY_SHARE
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,10 @@ _SPECS = (
     EngineSpec(
         name="vllm",
         summary="vLLM (tensor parallel, sleep mode)",
-        builder="vime.rollout.builders:build_vllm",
-        import_check="vime.rollout.vllm_engine:vllm_import_error",
-        import_fix="vime.rollout.engine_flags:vllm_import_fix",
-        add_flags="vime.rollout.engine_flags:add_vllm_flags",
+        builder="vime.rollout.engines.builders:build_vllm",
+        import_check="vime.rollout.engines.vllm:vllm_import_error",
+        import_fix="vime.rollout.engines.flags:vllm_import_fix",
+        add_flags="vime.rollout.engines.flags:add_vllm_flags",
         validate="vime.config.engine_checks:validate_vllm_flags",
         tensor_parallel=True,
         in_flight_updates=True,
@@ -94,7 +94,7 @@ _SPECS = (
     EngineSpec(
         name="hf",
         summary="transformers generate",
-        builder="vime.rollout.builders:build_hf",
+        builder="vime.rollout.engines.builders:build_hf",
         in_flight_updates=True,
     ),
 )

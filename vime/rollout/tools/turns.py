@@ -1,6 +1,6 @@
 """Token ids of the environment's side of a tool-using conversation.
 
-Where it fits: the tool loop (``vime.rollout.tool_loop``) starts each episode from
+Where it fits: the tool loop (``vime.rollout.tools.loop``) starts each episode from
 :meth:`ToolTurnRenderer.prompt_ids` (the chat template with ``tools=`` and the
 generation prompt) and, after a turn that called tools, appends
 :meth:`ToolTurnRenderer.tool_turn_ids` to the engine's generated ids before
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vime.rollout.tools import ToolResult
+from vime.rollout.tools.toolbox import ToolResult
 
 TRUNCATED = "…[truncated]"
 
@@ -63,7 +63,7 @@ class ToolTurnRenderer:
     @property
     def end_of_turn_id(self) -> int:
         """The id a model turn ends with before a tool turn: the tool loop appends it (mask
-        0) to a turn that stopped on another stop token (``vime.rollout.tool_loop``)."""
+        0) to a turn that stopped on another stop token (``vime.rollout.tools.loop``)."""
         return self.tokenizer.convert_tokens_to_ids(self.end_of_turn)
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool) -> str:

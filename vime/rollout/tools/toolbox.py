@@ -1,19 +1,19 @@
 """Tools a policy may call during a rollout: loading, parsing calls, running them.
 
-Where it fits: the tool loop (``vime.rollout.tool_loop``) loads the user's functions
+Where it fits: the tool loop (``vime.rollout.tools.loop``) loads the user's functions
 once with :func:`load_tools` (``module:NAME``, NAME a list of functions), shows
 their JSON schemas (``Toolbox.schemas``) to the chat template, parses each
 generated turn with the ``--tool-parser``'s function (:func:`parse_hermes`, the
 Qwen/Hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks;
 :func:`parse_llama3_json`, Llama 3.x's bare JSON call turn; :func:`parse_plain`,
 ``name arg ...``; ``auto``'s :func:`parse_tool_calls`; the names are
-``vime.rollout.tool_parsers``'s) and awaits :meth:`Toolbox.run` per call. This
+``vime.rollout.tools.parsers``'s) and awaits :meth:`Toolbox.run` per call. This
 module owns the tools' contract: a bad tool list is a one-line ``ConfigError`` at
 start-up; at rollout time nothing raises -- every failure (malformed call, unknown
 tool, bad arguments, a tool that raised or ran past its timeout) is a
 :class:`ToolResult` whose text the model reads and whose ``kind`` feeds metrics.
 Rendering results back into token ids lives in
-:mod:`vime.rollout.tool_turns`.
+:mod:`vime.rollout.tools.turns`.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def parse_tool_calls(text: str, toolbox: Toolbox | None = None) -> list[ToolCall
 
     ``[]``: no call, the turn is a final answer. A list: the calls to run.
     :class:`ParseError`: some call is malformed; the loop shows its message to the
-    model. ``toolbox`` is not needed (a parser's signature: ``vime.rollout.tool_parsers``).
+    model. ``toolbox`` is not needed (a parser's signature: ``vime.rollout.tools.parsers``).
     """
     calls = parse_hermes(text)
     return calls if calls != [] else parse_llama3_json(text)

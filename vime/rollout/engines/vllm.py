@@ -1,7 +1,7 @@
 """The vLLM rollout engine: token-id prompts in, sampled completions with log-probs out.
 
 Where it fits: one implementation of the ``RolloutEngine`` contract
-(``vime.rollout.types``) next to ``hf_engine``. ``RolloutManager`` calls
+(``vime.rollout.types``) next to ``engines.hf``. ``RolloutManager`` calls
 ``generate`` every rollout step; the weight transport calls ``update_weights``
 with the HF-named buckets the training backend streams; colocated GPU runs call
 ``sleep`` / ``wake_up`` around training; a LoRA run's adapter-only syncs reach
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from vime import device as vime_device
-from vime.rollout.engine_flags import VLLM_GPU_MEMORY_SHARE, VLLM_LORA_RANKS
+from vime.rollout.engines.flags import VLLM_GPU_MEMORY_SHARE, VLLM_LORA_RANKS
 from vime.rollout.step_gate import StepGate
 from vime.rollout.types import MEMORY_TAGS, Completion, SamplingParams, wake_tags
 

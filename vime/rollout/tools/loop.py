@@ -3,7 +3,7 @@
 Where it fits: a generate function for the multi-turn seam (``vime.rollout.agent``).
 Each turn the model's tokens are parsed for tool calls (:class:`ToolFormat`); no call
 means the turn is the final answer. Otherwise every call runs
-(``vime.rollout.tools.Toolbox``, concurrently; failures become error text the model
+(``vime.rollout.tools.toolbox.Toolbox``, concurrently; failures become error text the model
 reads), the answers are rendered as the environment's tokens and appended, and the
 model generates again -- until it answers, ``max_turns`` model turns were taken, or
 the response budget (``--rollout-max-response-len``, env tokens included) is spent.
@@ -11,7 +11,7 @@ the response budget (``--rollout-max-response-len``, env tokens included) is spe
 Two formats: ``chat`` renders tool turns with the checkpoint's chat template; ``plain``,
 for a tokenizer without a template (the embedded model's characters), appends the
 answer text followed by ``=`` (the built-in tasks' prompt end). ``--tool-parser``
-(``ToolLoopSettings.parser``, named in ``vime.rollout.tool_parsers``) says how a turn's
+(``ToolLoopSettings.parser``, named in ``vime.rollout.tools.parsers``) says how a turn's
 calls are read: ``hermes`` (``<tool_call>{json}</tool_call>``, Qwen, Hermes) and
 ``llama3_json`` (a bare JSON call turn, Llama 3.x) in the chat format, ``plain`` (a
 turn ``name arg ...`` whose first word is a tool's name: a call with positional
@@ -49,9 +49,8 @@ from vime.rollout.agent import (
 )
 from vime.rollout.decoding import decode_turns, stop_token_ids
 from vime.rollout.settings import AgentSettings, ToolLoopSettings
-from vime.rollout.tool_parsers import AUTO, ToolParserSpec, resolve_tool_parser
-from vime.rollout.tool_turns import ToolTurnRenderer, truncate_output
-from vime.rollout.tools import (
+from vime.rollout.tools.parsers import AUTO, ToolParserSpec, resolve_tool_parser
+from vime.rollout.tools.toolbox import (
     ParseError,
     Toolbox,
     ToolCall,
@@ -59,8 +58,9 @@ from vime.rollout.tools import (
     parse_plain,
     parse_tool_calls,
 )
+from vime.rollout.tools.turns import ToolTurnRenderer, truncate_output
 
-# A parser (vime.rollout.tool_parsers): the calls of one turn, [] for an answer.
+# A parser (vime.rollout.tools.parsers): the calls of one turn, [] for an answer.
 Parse = Callable[[str, Toolbox], list[ToolCall] | ParseError]
 
 CUT_BUDGET, CUT_MAX_TURNS = "budget", "max_turns"
