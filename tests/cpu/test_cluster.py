@@ -129,7 +129,8 @@ def test_a_late_local_start_is_cleaned_up_and_tried_again(monkeypatch, capsys) -
     """Ray gives its raylet a fixed 30 s to register; on a busy machine a start can be
     late once. ``init_local_ray`` kills what the late start left (a real child process
     stands in for its GCS), says so in one line, and the next, real ``ray.init`` runs.
-    Any other error, or a start late every time, is raised as it is."""
+    Any other error, or a start late every time, is raised as it is. (The real start
+    may itself be late on a loaded machine: it then takes a third try.)"""
     import subprocess
 
     ray = pytest.importorskip("ray")
@@ -150,9 +151,9 @@ def test_a_late_local_start_is_cleaned_up_and_tried_again(monkeypatch, capsys) -
     monkeypatch.setattr(ray, "init", late_then(real=True))
     try:
         init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
-        assert ray.is_initialized() and len(calls) == 2
-        assert (
-            calls[0] == calls[1] == dict(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        assert ray.is_initialized() and 2 <= len(calls) <= cluster.LOCAL_START_TRIES
+        assert all(
+            call == dict(num_cpus=1, include_dashboard=False, log_to_driver=False) for call in calls
         )
     finally:
         ray.shutdown()
