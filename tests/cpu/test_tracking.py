@@ -1,4 +1,4 @@
-"""What a run writes about itself (vime/tracking.py).
+"""What a run writes about itself (vime/tracking.py, vime/progress_plot.py).
 
 Proves that metrics.jsonl holds one strict-JSON line per rollout (non-finite
 values as null), that a resumed run rewrites it to exactly the rollouts before
@@ -27,15 +27,8 @@ import pytest
 import torch
 
 from vime.errors import ConfigError
-from vime.tracking import (
-    Tracker,
-    default_output_dir,
-    format_duration,
-    phase_seconds,
-    plot_progress,
-    read_metrics,
-    reward_band,
-)
+from vime.progress_plot import phase_seconds, plot_progress, reward_band
+from vime.tracking import Tracker, default_output_dir, format_duration, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
