@@ -218,7 +218,7 @@ def _loss_flags(rng: random.Random) -> list[str]:
 
 
 # Imported late in spirit: the choices are the parser's own, so a new choice is drawn.
-from vime.config.flags import (  # noqa: E402
+from vime.config.algo_flags import (  # noqa: E402
     ADVANTAGE_ESTIMATORS,
     AGGREGATION_MODES,
     CORRECTION_LEVELS,

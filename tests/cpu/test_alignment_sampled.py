@@ -40,7 +40,7 @@ pytest.importorskip("megatron.core")
 
 import ray
 
-from vime.config import flags, parse_args
+from vime.config import algo_flags, parse_args
 from vime.ray.cluster import init_local_ray
 from vime.setup.run import build_run
 from vime.trainer import Run
@@ -214,11 +214,11 @@ def _required_families() -> set[str]:
     req = {"qwen3", "qwen2", "llama", "tied", "untied", "gqa-2", "gqa-4", "mha"}
     req |= {"head_dim!=hidden/heads"}
     req |= {"pad_token_id", "issue-30-model", "multiturn", "shared-prompts", "several-steps"}
-    req |= {f"--advantage-estimator={e}" for e in flags.ADVANTAGE_ESTIMATORS}
-    req |= {f"--kl-loss-type={k}" for k in flags.KL_TYPES}
-    req |= {f"--loss-agg-mode={m}" for m in flags.AGGREGATION_MODES}
-    req |= {f"--tis-level={v}" for v in flags.CORRECTION_LEVELS}
-    req |= {f"--tis-mode={v}" for v in flags.CORRECTION_MODES}
+    req |= {f"--advantage-estimator={e}" for e in algo_flags.ADVANTAGE_ESTIMATORS}
+    req |= {f"--kl-loss-type={k}" for k in algo_flags.KL_TYPES}
+    req |= {f"--loss-agg-mode={m}" for m in algo_flags.AGGREGATION_MODES}
+    req |= {f"--tis-level={v}" for v in algo_flags.CORRECTION_LEVELS}
+    req |= {f"--tis-mode={v}" for v in algo_flags.CORRECTION_MODES}
     req |= {"--policy-loss-level=sequence", *DRAWN_FLAGS}
     return req
 
@@ -246,7 +246,7 @@ def test_every_algorithm_flag_is_drawn_or_excluded(tmp_path: Path) -> None:
     """A new algorithm flag fails here until the generator draws it or excludes it with a
     reason; and every drawn flag is drawn by some seed."""
     parser = argparse.ArgumentParser()
-    flags._algorithm(parser)
+    algo_flags.add_algorithm_flags(parser)
     names = {opt for action in parser._actions for opt in action.option_strings}
     names -= {"-h", "--help"}
     assert names == DRAWN_FLAGS | EXCLUDED_FLAGS, sorted(names ^ (DRAWN_FLAGS | EXCLUDED_FLAGS))

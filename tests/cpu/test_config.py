@@ -26,8 +26,7 @@ import pytest
 from tiny_models import LLAMA31_ROPE
 
 from vime.backends.megatron.flags import check_architecture
-from vime.config import ConfigError, parse_args
-from vime.config import flags as common_flags
+from vime.config import ConfigError, algo_flags, parse_args
 
 
 def test_global_batch_size_defaults_to_whole_rollout() -> None:
@@ -107,14 +106,14 @@ def test_builtin_prompt_data_needs_no_file() -> None:
 
 def test_cli_choices_match_algo() -> None:
     algo = pytest.importorskip("vime.algo")
-    assert common_flags.ADVANTAGE_ESTIMATORS == algo.ADVANTAGE_ESTIMATORS
-    assert common_flags.KL_TYPES == algo.KL_TYPES
-    assert common_flags.AGGREGATION_MODES == algo.AGGREGATION_MODES
+    assert algo_flags.ADVANTAGE_ESTIMATORS == algo.ADVANTAGE_ESTIMATORS
+    assert algo_flags.KL_TYPES == algo.KL_TYPES
+    assert algo_flags.AGGREGATION_MODES == algo.AGGREGATION_MODES
     from vime.algo import correction, losses
 
-    assert common_flags.POLICY_LOSS_LEVELS == losses.POLICY_LOSS_LEVELS
-    assert common_flags.CORRECTION_LEVELS == correction.CORRECTION_LEVELS
-    assert common_flags.CORRECTION_MODES == correction.CORRECTION_MODES
+    assert algo_flags.POLICY_LOSS_LEVELS == losses.POLICY_LOSS_LEVELS
+    assert algo_flags.CORRECTION_LEVELS == correction.CORRECTION_LEVELS
+    assert algo_flags.CORRECTION_MODES == correction.CORRECTION_MODES
 
 
 def test_embedded_eval_follows_the_training_task(tmp_path) -> None:

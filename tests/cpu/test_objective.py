@@ -24,7 +24,7 @@ import torch
 from vime.algo import policy_loss
 from vime.algo.correction import RolloutCorrection
 from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
-from vime.config import flags, parse_args
+from vime.config import algo_flags, parse_args
 from vime.config.settings import loss_settings
 
 D = torch.float64
@@ -140,7 +140,7 @@ BASELINES = {
 
 def test_every_algorithm_flag_is_accounted_for():
     parser = argparse.ArgumentParser()
-    flags._algorithm(parser)
+    algo_flags.add_algorithm_flags(parser)
     names = {opt for action in parser._actions for opt in action.option_strings if opt != "-h"}
     names -= {"--help"}
     assert names == set(LOSS_FLAGS) | NOT_LOSS_FLAGS
@@ -175,7 +175,7 @@ SAME_HERE = {
 
 def _choices(flag: str) -> tuple[str, ...]:
     parser = argparse.ArgumentParser()
-    flags._algorithm(parser)
+    algo_flags.add_algorithm_flags(parser)
     (action,) = [a for a in parser._actions if flag in a.option_strings]
     return tuple(action.choices or ())
 

@@ -8,7 +8,7 @@ every response token by the weight :func:`correction_weights` returns
 masked or sequence-level importance sampling). The KL and entropy terms are not
 weighted. The weights are detached: they scale the gradient, never receive one.
 With ``--max-staleness`` >= 1 the same weight is decoupled PPO's behaviour
-correction π_prox / π_behav, on by default there (``vime.config.validate``).
+correction π_prox / π_behav, on by default there (``vime.config.algo_flags``).
 
 With m the loss mask, nᵢ = Σₜ mᵢₜ and δ = old_logp − rollout_logp:
 

@@ -1,10 +1,9 @@
 """The common flags of ``vime-train``, declared once, by group.
 
 Where it fits: ``vime.config.parser`` builds the parser from these groups (the rollout
-and agent groups in ``vime.config.rollout_flags``, LoRA's in ``lora_flags``) plus
-the selected backend's own flags (``vime.backends.registry``); cross-flag rules
-live in ``vime.config.validate``. Choices that mirror ``vime.algo`` are spelled
-out here so that ``--help`` needs no torch import; a test keeps them equal.
+and agent groups in ``vime.config.rollout_flags``, the algorithm's in ``algo_flags``,
+LoRA's in ``lora_flags``) plus the selected backend's own flags
+(``vime.backends.registry``); cross-flag rules live in ``vime.config.validate``.
 
 Names follow what slime / verl users type. On a CPU machine the "gpus" counts
 are numbers of processes.
@@ -15,21 +14,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from vime.config.algo_flags import add_algorithm_flags
 from vime.config.flag_types import non_negative_int, positive_int
 from vime.config.lora_flags import add_lora_flags
 from vime.config.rollout_flags import add_agent_flags, add_rollout_flags
 
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-AGGREGATION_MODES = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
-POLICY_LOSS_LEVELS = ("token", "sequence")
-CORRECTION_LEVELS = ("token", "sequence", "geometric")
-CORRECTION_MODES = ("truncate", "mask")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -141,170 +130,6 @@ def _prompt_fields(p: argparse._ArgumentGroup) -> None:
 def _data(p: argparse._ArgumentGroup) -> None:
     _prompt_sources(p)
     _prompt_fields(p)
-
-
-def _advantages(p: argparse._ArgumentGroup) -> None:
-    """Advantages, and the custom advantage and loss functions."""
-    p.add_argument(
-        "--advantage-estimator",
-        choices=ADVANTAGE_ESTIMATORS,
-        default="grpo",
-        help="how a group's rewards become advantages (formulas: vime.algo.advantages)",
-    )
-    p.add_argument(
-        "--custom-advantage-function-path",
-        default=None,
-        metavar="MODULE:FN",
-        help="replaces the advantage estimator; same signature as vime.algo.compute_advantages",
-    )
-    p.add_argument(
-        "--custom-loss-function-path",
-        default=None,
-        metavar="MODULE:FN",
-        help="replaces the policy loss; same signature as vime.algo.policy_loss",
-    )
-
-
-def _policy_clip(p: argparse._ArgumentGroup) -> None:
-    """The policy loss's clipping and level."""
-    p.add_argument("--eps-clip", type=float, default=0.2, help="PPO clip: ratio >= 1 - eps")
-    p.add_argument(
-        "--eps-clip-high",
-        type=float,
-        default=None,
-        help="upper PPO clip: ratio <= 1 + eps_high (default --eps-clip)",
-    )
-    p.add_argument(
-        "--eps-clip-c",
-        type=float,
-        default=None,
-        help="dual-clip bound (> 1) for negative advantages; off by default",
-    )
-    p.add_argument(
-        "--policy-loss-level",
-        choices=POLICY_LOSS_LEVELS,
-        default="token",
-        help="token (PPO/GRPO) or sequence (GSPO) importance ratios",
-    )
-
-
-def _penalties(p: argparse._ArgumentGroup) -> None:
-    """KL and entropy terms, and how token losses aggregate."""
-    p.add_argument(
-        "--use-kl-loss",
-        action="store_true",
-        help="add a KL penalty against the reference (initial) model",
-    )
-    p.add_argument("--kl-loss-coef", type=float, default=0.0, help="weight of the KL penalty")
-    p.add_argument(
-        "--kl-loss-type",
-        choices=KL_TYPES,
-        default=None,
-        help="KL estimator (default low_var_kl when --use-kl-loss)",
-    )
-    p.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus")
-    p.add_argument(
-        "--loss-agg-mode",
-        choices=AGGREGATION_MODES,
-        default="token-mean",
-        help="how per-token losses become one number",
-    )
-    p.add_argument(
-        "--loss-agg-norm-len",
-        type=positive_int,
-        default=None,
-        metavar="TOKENS",
-        help="the constant length seq-mean-token-sum-norm (Dr. GRPO) divides by, with the "
-        "number of sequences (default --rollout-max-response-len)",
-    )
-
-
-def _correction(p: argparse._ArgumentGroup) -> None:
-    """The rollout correction (truncated importance sampling)."""
-    p.add_argument(
-        "--use-tis",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="rollout correction: weight each token's policy loss by exp(old - rollout "
-        "log-prob), truncated or masked (--tis-level, --tis-mode, --tis-clip, --tis-clip-low); "
-        "default: on with --max-staleness >= 1 (decoupled PPO's behaviour weight), else off; "
-        "--no-use-tis trains an asynchronous run uncorrected",
-    )
-    p.add_argument(
-        "--tis-level",
-        choices=CORRECTION_LEVELS,
-        default=None,
-        help="token: a weight per token; sequence: the product of a sequence's token "
-        "weights (as verl, slime and TRL), for all its tokens; geometric: their geometric "
-        "mean, for all its tokens (default token)",
-    )
-    p.add_argument(
-        "--tis-mode",
-        choices=CORRECTION_MODES,
-        default=None,
-        help="truncate: weights above --tis-clip are cut to it; mask: tokens (sequences) whose "
-        "weight is outside [--tis-clip-low, --tis-clip] leave the loss (default truncate)",
-    )
-    p.add_argument(
-        "--tis-clip",
-        type=float,
-        default=None,
-        metavar="HIGH",
-        help="upper bound of the rollout-correction weight (default 2.0)",
-    )
-    p.add_argument(
-        "--tis-clip-low",
-        type=float,
-        default=None,
-        metavar="LOW",
-        help="lower bound of the weight in --tis-mode mask (default 1 / --tis-clip)",
-    )
-
-
-def _batching(p: argparse._ArgumentGroup) -> None:
-    """Optimizer steps per rollout and the micro-batches of each."""
-    p.add_argument(
-        "--global-batch-size",
-        type=positive_int,
-        default=None,
-        help="samples per optimizer step (default: the whole rollout over --num-steps-per-rollout)",
-    )
-    p.add_argument(
-        "--num-steps-per-rollout",
-        type=positive_int,
-        default=None,
-        help="optimizer steps per rollout, on disjoint samples (default 1)",
-    )
-    p.add_argument(
-        "--shuffle-updates",
-        action="store_true",
-        help="shuffle samples before splitting them into optimizer steps",
-    )
-    p.add_argument(
-        "--micro-batch-size",
-        type=positive_int,
-        default=1,
-        help="samples per packed row (without --use-dynamic-batch-size)",
-    )
-    p.add_argument(
-        "--use-dynamic-batch-size",
-        action="store_true",
-        help="pack rows by tokens under --max-tokens-per-gpu",
-    )
-    p.add_argument(
-        "--max-tokens-per-gpu",
-        type=positive_int,
-        default=None,
-        help="token cap of one packed row with --use-dynamic-batch-size",
-    )
-
-
-def _algorithm(p: argparse._ArgumentGroup) -> None:
-    _advantages(p)
-    _policy_clip(p)
-    _penalties(p)
-    _correction(p)
-    _batching(p)
 
 
 def _optimizer(p: argparse._ArgumentGroup) -> None:
@@ -509,7 +334,7 @@ GROUPS = (
     ("agent", "multi-turn rollouts: tools, custom generation", add_agent_flags),
     ("data", "model, prompts and their fields", _data),
     ("model", "architecture flags (MODEL_ARGS), checked against --hf-checkpoint", _model),
-    ("algorithm", "advantages, policy loss, KL, batching", _algorithm),
+    ("algorithm", "advantages, policy loss, KL, batching", add_algorithm_flags),
     ("optimizer", "AdamW and the learning-rate schedule", _optimizer),
     ("lora", "low-rank adapters, trained in place of every weight", add_lora_flags),
     ("checkpoint", "save, resume and export", _checkpoint),

@@ -3,8 +3,10 @@
 Where it fits: the second half of ``vime.config.parser.parse_args``. Each rule
 raises ``ConfigError`` with one line that says what is wrong and how to fix it.
 Derived settings (the data-parallel size, the global batch size when only the
-number of steps is given, the default KL estimator) are filled in here, once,
-before the configuration is frozen.
+number of steps is given) are filled in here, once, before the configuration is
+frozen. The rules of one flag group live beside its flags and are called from here:
+the algorithm's (``algo_flags.check_algorithm``, which also fills in the default KL
+estimator and correction), LoRA's (``lora_flags.check_lora``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 from typing import Any
 
 from vime.backends import registry
+from vime.config.algo_flags import check_algorithm
 from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.config.lora_flags import check_lora
 from vime.config.model_args import check_model_args_against_checkpoint
@@ -42,8 +45,7 @@ def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
     _check_batches(args)
     _check_sampling(args)
     _check_dynamic_sampling(args)
-    _check_algorithm(args)
-    _check_custom_functions(args)
+    check_algorithm(args)
     _check_agent(args)
     _check_rewards(args)
     _check_optimizer(args)
@@ -335,94 +337,6 @@ def _check_dynamic_sampling(args: argparse.Namespace) -> None:
             f"--over-sampling-factor must be >= 1 (a round asks for at least the missing "
             f"groups), got {factor}"
         )
-
-
-def _check_algorithm(args: argparse.Namespace) -> None:
-    if not 0 < args.eps_clip < 1:
-        raise ConfigError(f"--eps-clip must be in (0, 1), got {args.eps_clip}")
-    if args.eps_clip_high is not None and not args.eps_clip_high > 0:
-        raise ConfigError(f"--eps-clip-high must be > 0, got {args.eps_clip_high}")
-    if args.eps_clip_c is not None and not args.eps_clip_c > 1:
-        raise ConfigError(f"--eps-clip-c (dual clip) must be > 1, got {args.eps_clip_c}")
-    _check_correction(args)
-    if args.loss_agg_norm_len is not None and args.loss_agg_mode != "seq-mean-token-sum-norm":
-        raise ConfigError(
-            f"--loss-agg-norm-len applies only to --loss-agg-mode seq-mean-token-sum-norm "
-            f"(this run uses {args.loss_agg_mode})"
-        )
-    if args.kl_loss_type is not None and not args.use_kl_loss:
-        raise ConfigError(f"--kl-loss-type {args.kl_loss_type} needs --use-kl-loss")
-    if args.kl_loss_coef < 0:
-        raise ConfigError(f"--kl-loss-coef must be >= 0, got {args.kl_loss_coef}")
-    if args.kl_loss_coef > 0 and not args.use_kl_loss:
-        raise ConfigError(f"--kl-loss-coef {args.kl_loss_coef} needs --use-kl-loss")
-    if args.use_kl_loss and args.kl_loss_type is None:
-        args.kl_loss_type = "low_var_kl"
-    if args.entropy_coef < 0:
-        raise ConfigError(f"--entropy-coef must be >= 0, got {args.entropy_coef}")
-
-
-def _check_correction(args: argparse.Namespace) -> None:
-    """The rollout correction's flags: each needs --use-tis, and the bounds must make sense;
-    the defaults (token, truncate, 2.0) are filled in once here.
-
-    With ``--max-staleness`` >= 1 the correction is on unless ``--no-use-tis``: there its
-    weight exp(π_old − engine log-prob) is decoupled PPO's behaviour correction
-    π_prox / π_behav, which an asynchronous objective needs (samples of older weights).
-    """
-    if args.use_tis is None:
-        args.use_tis = args.max_staleness > 0
-    given = [
-        flag
-        for flag, value in (
-            ("--tis-level", args.tis_level),
-            ("--tis-mode", args.tis_mode),
-            ("--tis-clip", args.tis_clip),
-            ("--tis-clip-low", args.tis_clip_low),
-        )
-        if value is not None
-    ]
-    if not args.use_tis:
-        if given:
-            raise ConfigError(f"{given[0]} needs --use-tis (the rollout correction is off)")
-        return
-    args.tis_level = args.tis_level or "token"
-    args.tis_mode = args.tis_mode or "truncate"
-    args.tis_clip = 2.0 if args.tis_clip is None else args.tis_clip
-    if not args.tis_clip > 0:
-        raise ConfigError(f"--tis-clip must be > 0, got {args.tis_clip}")
-    low = args.tis_clip_low
-    if low is not None:
-        if args.tis_mode != "mask":
-            raise ConfigError(
-                "--tis-clip-low applies only to --tis-mode mask (truncate only cuts weights "
-                "above --tis-clip)"
-            )
-        if not 0 <= low < args.tis_clip:
-            raise ConfigError(
-                f"--tis-clip-low must be in [0, --tis-clip={args.tis_clip}), got {low}"
-            )
-
-
-def _check_custom_functions(args: argparse.Namespace) -> None:
-    """Import user hooks now, so a typo fails at start-up rather than after the first rollout."""
-    hooks = (
-        (
-            "--custom-advantage-function-path",
-            args.custom_advantage_function_path,
-            "compute_advantages",
-        ),
-        ("--custom-loss-function-path", args.custom_loss_function_path, "policy_loss"),
-    )
-    for flag, spec, builtin in hooks:
-        if spec is None:
-            continue
-        import vime.algo  # torch is imported only when a hook is given
-
-        try:
-            vime.algo.load_function(spec, expected=getattr(vime.algo, builtin))
-        except ValueError as err:
-            raise ConfigError(f"{flag} {spec}: {err}") from None
 
 
 def _check_agent(args: argparse.Namespace) -> None:
