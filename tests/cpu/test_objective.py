@@ -15,6 +15,7 @@ run's loss (``--max-staleness`` >= 1) is decoupled PPO's, behaviour-corrected by
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 
@@ -76,6 +77,19 @@ def _loss_and_grad(config: LossConfig, data: dict, norm: Normalizers | None = No
     return float(loss.detach()), grad, metrics.means()
 
 
+# What --use-tis alone gives: the flags' defaults, filled in while parsing.
+TIS = RolloutCorrection(
+    level=algo_flags.DEFAULT_TIS_LEVEL,
+    mode=algo_flags.DEFAULT_TIS_MODE,
+    high=algo_flags.DEFAULT_TIS_CLIP,
+    low=None,
+)
+
+
+def _tis(**changes) -> RolloutCorrection:
+    return dataclasses.replace(TIS, **changes)
+
+
 # Each loss flag with its precondition, and the LossConfig field it must set.
 LOSS_FLAGS = {
     "--eps-clip": (["--eps-clip", "0.1"], {"eps_clip": 0.1}),
@@ -97,20 +111,20 @@ LOSS_FLAGS = {
         ["--loss-agg-mode", "seq-mean-token-sum-norm", "--loss-agg-norm-len", "3"],
         {"norm_len": 3},
     ),
-    "--use-tis": (["--use-tis"], {"correction": RolloutCorrection()}),
+    "--use-tis": (["--use-tis"], {"correction": TIS}),
     "--no-use-tis": (["--max-staleness", "1", "--no-use-tis"], {"correction": None}),
-    "--tis-clip": (["--use-tis", "--tis-clip", "1.2"], {"correction": RolloutCorrection(high=1.2)}),
+    "--tis-clip": (["--use-tis", "--tis-clip", "1.2"], {"correction": _tis(high=1.2)}),
     "--tis-level": (
         ["--use-tis", "--tis-level", "sequence"],
-        {"correction": RolloutCorrection(level="sequence")},
+        {"correction": _tis(level="sequence")},
     ),
     "--tis-mode": (
         ["--use-tis", "--tis-mode", "mask"],
-        {"correction": RolloutCorrection(mode="mask")},
+        {"correction": _tis(mode="mask")},
     ),
     "--tis-clip-low": (
         ["--use-tis", "--tis-mode", "mask", "--tis-clip-low", "0.9"],
-        {"correction": RolloutCorrection(mode="mask", low=0.9)},
+        {"correction": _tis(mode="mask", low=0.9)},
     ),
     "--custom-loss-function-path": (["--custom-loss-function-path", CUSTOM], {}),
 }
@@ -272,7 +286,9 @@ def test_asynchronous_loss_is_behaviour_corrected_by_default():
     old, π_behav: the engine's log-probs); --no-use-tis keeps the uncorrected loss."""
     data = _batch(seed=6)
     config = _config("--max-staleness", "2")
-    assert config.correction == RolloutCorrection(level="token", mode="truncate", high=2.0)
+    assert config.correction == RolloutCorrection(
+        level="token", mode="truncate", high=2.0, low=None
+    )
     loss, grad, metrics = _loss_and_grad(config, data)
     expected, expected_grad = _plain_loss(data, high=2.0, kl_coef=0.0, entropy_coef=0.0)
     assert loss == pytest.approx(expected, rel=1e-12)

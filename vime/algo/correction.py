@@ -42,12 +42,13 @@ CORRECTION_MODES: tuple[str, ...] = ("truncate", "mask")
 
 @dataclass(frozen=True)
 class RolloutCorrection:
-    """The correction of a run (``--use-tis`` and its bounds)."""
+    """The correction of a run (``--use-tis`` and its bounds; the flags' defaults,
+    ``vime.config.algo_flags``, are the only ones). ``low`` None: 1 / ``high``."""
 
-    level: str = "token"
-    mode: str = "truncate"
-    high: float = 2.0
-    low: float | None = None
+    level: str
+    mode: str
+    high: float
+    low: float | None
 
     def __post_init__(self) -> None:
         if self.level not in CORRECTION_LEVELS:

@@ -31,7 +31,7 @@ import torch
 
 from vime.algo.aggregation import aggregate_loss
 from vime.algo.correction import RolloutCorrection, correction_weights
-from vime.algo.losses import kl_penalty, policy_loss
+from vime.algo.losses import kl_penalty
 from vime.algo.metrics import MetricAccumulator
 
 
@@ -41,21 +41,22 @@ class LossConfig:
     ``vime.config.settings.loss_settings``.
 
     ``correction`` is the rollout correction (``--use-tis``; None: off); ``norm_len``
-    the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO).
+    the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO). No field has a
+    default: the flags' are the only ones (``vime.config.algo_flags``).
     """
 
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    eps_clip_c: float | None = None
-    level: str = "token"
-    correction: RolloutCorrection | None = None
-    use_kl: bool = False
-    kl_coef: float = 0.0
-    kl_type: str = "low_var_kl"
-    entropy_coef: float = 0.0
-    agg_mode: str = "token-mean"
-    norm_len: int | None = None
-    policy_loss_fn: Callable[..., Any] = field(default=policy_loss, compare=False)
+    eps_clip: float
+    eps_clip_high: float | None
+    eps_clip_c: float | None
+    level: str
+    correction: RolloutCorrection | None
+    use_kl: bool
+    kl_coef: float
+    kl_type: str
+    entropy_coef: float
+    agg_mode: str
+    norm_len: int | None
+    policy_loss_fn: Callable[..., Any] = field(compare=False)
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ the KL and entropy terms, the rollout correction, batching.
 Where it fits: ``vime.config.flags`` adds this group to every parser, in its ``GROUPS``
 order; ``vime.config.validate`` calls ``check_algorithm`` (the batching flags are
 checked there, against the data-parallel size) and ``vime.config.settings.loss_settings``
-turns the flags into ``vime.algo.objective.LossConfig``. Choices that mirror
-``vime.algo`` are spelled out so that ``--help`` needs no torch import; a test keeps
-them equal. Argparse only, like every flag module.
+turns the flags into ``vime.algo.objective.LossConfig``, whose fields have no
+defaults of their own. The defaults filled in once the flags are parsed are named
+here, once. Choices that mirror ``vime.algo`` are spelled out so that ``--help`` needs
+no torch import; a test keeps them equal. Argparse only, like every flag module.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ AGGREGATION_MODES = (
 POLICY_LOSS_LEVELS = ("token", "sequence")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 CORRECTION_MODES = ("truncate", "mask")
+# Filled in once the flags are parsed (check_algorithm), where the flag is left out and
+# the setting applies: the KL estimator with --use-kl-loss, the correction's with --use-tis.
+DEFAULT_KL_TYPE = "low_var_kl"
+DEFAULT_TIS_LEVEL = "token"
+DEFAULT_TIS_MODE = "truncate"
+DEFAULT_TIS_CLIP = 2.0
 
 
 def _advantages(p: argparse._ArgumentGroup) -> None:
@@ -86,7 +93,7 @@ def _penalties(p: argparse._ArgumentGroup) -> None:
         "--kl-loss-type",
         choices=KL_TYPES,
         default=None,
-        help="KL estimator (default low_var_kl when --use-kl-loss)",
+        help=f"KL estimator (default {DEFAULT_KL_TYPE} when --use-kl-loss)",
     )
     p.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus")
     p.add_argument(
@@ -122,21 +129,22 @@ def _correction(p: argparse._ArgumentGroup) -> None:
         default=None,
         help="token: a weight per token; sequence: the product of a sequence's token "
         "weights (as verl, slime and TRL), for all its tokens; geometric: their geometric "
-        "mean, for all its tokens (default token)",
+        f"mean, for all its tokens (default {DEFAULT_TIS_LEVEL})",
     )
     p.add_argument(
         "--tis-mode",
         choices=CORRECTION_MODES,
         default=None,
         help="truncate: weights above --tis-clip are cut to it; mask: tokens (sequences) whose "
-        "weight is outside [--tis-clip-low, --tis-clip] leave the loss (default truncate)",
+        "weight is outside [--tis-clip-low, --tis-clip] leave the loss "
+        f"(default {DEFAULT_TIS_MODE})",
     )
     p.add_argument(
         "--tis-clip",
         type=float,
         default=None,
         metavar="HIGH",
-        help="upper bound of the rollout-correction weight (default 2.0)",
+        help=f"upper bound of the rollout-correction weight (default {DEFAULT_TIS_CLIP})",
     )
     p.add_argument(
         "--tis-clip-low",
@@ -222,14 +230,14 @@ def _check_loss(args: argparse.Namespace) -> None:
     if args.kl_loss_coef > 0 and not args.use_kl_loss:
         raise ConfigError(f"--kl-loss-coef {args.kl_loss_coef} needs --use-kl-loss")
     if args.use_kl_loss and args.kl_loss_type is None:
-        args.kl_loss_type = "low_var_kl"
+        args.kl_loss_type = DEFAULT_KL_TYPE
     if args.entropy_coef < 0:
         raise ConfigError(f"--entropy-coef must be >= 0, got {args.entropy_coef}")
 
 
 def _check_correction(args: argparse.Namespace) -> None:
     """The rollout correction's flags: each needs --use-tis, and the bounds must make sense;
-    the defaults (token, truncate, 2.0) are filled in once here.
+    the defaults (``DEFAULT_TIS_*``) are filled in once here.
 
     With ``--max-staleness`` >= 1 the correction is on unless ``--no-use-tis``: there its
     weight exp(π_old − engine log-prob) is decoupled PPO's behaviour correction
@@ -251,9 +259,9 @@ def _check_correction(args: argparse.Namespace) -> None:
         if given:
             raise ConfigError(f"{given[0]} needs --use-tis (the rollout correction is off)")
         return
-    args.tis_level = args.tis_level or "token"
-    args.tis_mode = args.tis_mode or "truncate"
-    args.tis_clip = 2.0 if args.tis_clip is None else args.tis_clip
+    args.tis_level = args.tis_level or DEFAULT_TIS_LEVEL
+    args.tis_mode = args.tis_mode or DEFAULT_TIS_MODE
+    args.tis_clip = DEFAULT_TIS_CLIP if args.tis_clip is None else args.tis_clip
     if not args.tis_clip > 0:
         raise ConfigError(f"--tis-clip must be > 0, got {args.tis_clip}")
     low = args.tis_clip_low

@@ -14,10 +14,14 @@ import argparse
 from vime.backends import registry
 from vime.errors import ConfigError
 
-# Every linear projection of a decoder block, as the HF families vime runs name them.
+# The flags' defaults, which vime.weights.lora.LoraSettings reads too (LoraSettings() is
+# LoRA off). Every linear projection of a decoder block, as the HF families vime runs
+# name them:
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_ALPHA = 32.0
 DEFAULT_DROPOUT = 0.0
+DEFAULT_RANK = 0  # off
+DEFAULT_MODULES_TO_SAVE: tuple[str, ...] = ()
 
 
 def module_names(text: str) -> tuple[str, ...]:
@@ -31,7 +35,7 @@ def add_lora_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--lora-rank",
         type=int,
-        default=0,
+        default=DEFAULT_RANK,
         metavar="R",
         help="train rank-R adapters on the frozen model instead of every weight (0: off); "
         "the KL reference is then the model with its adapters off",
@@ -59,7 +63,7 @@ def add_lora_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--lora-modules-to-save",
         type=module_names,
-        default=(),
+        default=DEFAULT_MODULES_TO_SAVE,
         metavar="NAMES",
         help="comma-separated modules trained in full beside the adapters (peft's "
         "modules_to_save: every module whose name ends so, e.g. norm for all the norms); "
@@ -84,7 +88,11 @@ def check_lora(args: argparse.Namespace) -> None:
                 ("--lora-alpha", args.lora_alpha, DEFAULT_ALPHA),
                 ("--lora-dropout", args.lora_dropout, DEFAULT_DROPOUT),
                 ("--lora-target-modules", args.lora_target_modules, DEFAULT_TARGETS),
-                ("--lora-modules-to-save", tuple(args.lora_modules_to_save), ()),
+                (
+                    "--lora-modules-to-save",
+                    tuple(args.lora_modules_to_save),
+                    DEFAULT_MODULES_TO_SAVE,
+                ),
                 ("--lora-merge-on-sync", args.lora_merge_on_sync, False),
             )
             if value != default

@@ -22,6 +22,8 @@ ROLLOUT_ENGINES = engine_registry.rollout_engine_choices()
 RM_TYPES = ("math", "exact", "builtin")
 CPU_SPLITS = ("auto", "on", "off")
 WEIGHT_SYNC_TRANSPORTS = transport_names.weight_sync_choices()
+# --over-sampling-factor with --dynamic-sampling-filter when not given (vime.config.validate).
+DEFAULT_OVER_SAMPLING_FACTOR = 1.5
 
 
 def _rollout_shape(p: argparse._ArgumentGroup) -> None:
@@ -140,7 +142,7 @@ def _rollout_ends(p: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="F",
         help="with --dynamic-sampling-filter, a round asks for ceil(F x the missing groups) "
-        "and keeps the first that pass (default 1.5)",
+        f"and keeps the first that pass (default {DEFAULT_OVER_SAMPLING_FACTOR})",
     )
     p.add_argument(
         "--dynamic-sampling-max-rounds",

@@ -20,6 +20,7 @@ from vime.config.algo_flags import check_algorithm
 from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.config.lora_flags import check_lora
 from vime.config.model_args import check_model_args_against_checkpoint
+from vime.config.rollout_flags import DEFAULT_OVER_SAMPLING_FACTOR
 from vime.errors import ConfigError
 from vime.rollout.engines import registry as engine_registry
 from vime.rollout.tools import parsers as tool_parsers
@@ -331,7 +332,7 @@ def _check_dynamic_sampling(args: argparse.Namespace) -> None:
             raise ConfigError("--over-sampling-factor needs --dynamic-sampling-filter")
         return
     if factor is None:
-        args.over_sampling_factor = 1.5
+        args.over_sampling_factor = DEFAULT_OVER_SAMPLING_FACTOR
     elif not (factor >= 1 and factor < float("inf")):
         raise ConfigError(
             f"--over-sampling-factor must be >= 1 (a round asks for at least the missing "

@@ -33,7 +33,14 @@ from typing import Any, Protocol
 
 import torch
 
-from vime.config.lora_flags import DEFAULT_ALPHA, DEFAULT_DROPOUT, DEFAULT_TARGETS
+from vime.config.lora_flags import (
+    DEFAULT_ALPHA,
+    DEFAULT_DROPOUT,
+    DEFAULT_MODULES_TO_SAVE,
+    DEFAULT_RANK,
+    DEFAULT_TARGETS,
+)
+from vime.rollout.engines.flags import DEFAULT_VLLM_LORA
 from vime.weights.buckets import Bucket, WeightEntry, entries_from_state_dict, iter_buckets
 from vime.weights.hf_export import staged_folder
 
@@ -46,14 +53,15 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 @dataclass(frozen=True)
 class LoraSettings:
     """``--lora-*``: the adapters' shape and how a sync moves them (rank 0 is off); built
-    from the flags by ``vime.config.settings.lora_settings``."""
+    from the flags by ``vime.config.settings.lora_settings``. Its defaults are the flags'
+    (``vime.config.lora_flags``), so ``LoraSettings()`` is a run without LoRA."""
 
-    rank: int = 0
+    rank: int = DEFAULT_RANK
     alpha: float = DEFAULT_ALPHA
     dropout: float = DEFAULT_DROPOUT
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
-    merge_on_sync: bool = False
-    modules_to_save: tuple[str, ...] = ()
+    merge_on_sync: bool = False  # --lora-merge-on-sync, a switch: off unless given
+    modules_to_save: tuple[str, ...] = DEFAULT_MODULES_TO_SAVE
 
     @property
     def enabled(self) -> bool:
@@ -75,7 +83,7 @@ class EngineLora:
 
     settings: LoraSettings
     bucket_bytes: int
-    native: str = "auto"
+    native: str = DEFAULT_VLLM_LORA
 
     @property
     def scale(self) -> float:
@@ -83,7 +91,7 @@ class EngineLora:
 
 
 def engine_lora(
-    settings: LoraSettings, bucket_bytes: int, transport: str, native: str = "auto"
+    settings: LoraSettings, bucket_bytes: int, transport: str, native: str = DEFAULT_VLLM_LORA
 ) -> EngineLora | None:
     """The engines' part of a LoRA run (None without LoRA). An engine's own LoRA serves
     adapters only: not where every sync is merged weights (``--lora-merge-on-sync``, the

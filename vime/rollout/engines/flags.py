@@ -20,6 +20,9 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # and of one a training rank shares with it (--colocate).
 VLLM_GPU_MEMORY_SHARE = 0.85
 VLLM_COLOCATED_GPU_MEMORY_SHARE = 0.5
+# --vllm-lora's choices and default (vime.weights.lora.EngineLora reads it too).
+VLLM_LORA_MODES = ("auto", "on", "off")
+DEFAULT_VLLM_LORA = "auto"
 
 
 def add_vllm_flags(p: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
@@ -35,8 +38,8 @@ def add_vllm_flags(p: argparse._ArgumentGroup | argparse.ArgumentParser) -> None
     )
     p.add_argument(
         "--vllm-lora",
-        choices=("auto", "on", "off"),
-        default="auto",
+        choices=VLLM_LORA_MODES,
+        default=DEFAULT_VLLM_LORA,
         help="with --lora-rank: vLLM serves each sync's adapters with its own LoRA (on) or "
         "merges them into its weights (off); auto: on with CUDA, off on the CPU, where its "
         "LoRA decoding measured 3x slower (bench/README.md)",
