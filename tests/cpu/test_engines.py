@@ -51,7 +51,7 @@ from vime.ray.engines import (
 from vime.ray.placement import Layout
 from vime.rollout.engines.builders import engine_max_model_len, hf_engine_dtype
 from vime.rollout.engines.registry import TINY_MODEL_REASON, EngineOptions, resolve_engine
-from vime.rollout.engines.vllm import vllm_import_error
+from vime.rollout.engines.vllm_start import vllm_import_error
 from vime.rollout.types import SamplingParams
 
 BROKEN_VLLM = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
@@ -389,7 +389,7 @@ def test_a_process_an_engine_starts_joins_the_runs_ray_cluster() -> None:
     ray = pytest.importorskip("ray")
     import subprocess
 
-    from vime.rollout.engines import vllm
+    from vime.rollout.engines import vllm_start
 
     child = (
         "import ray; ray.init(log_to_driver=False); "
@@ -401,7 +401,7 @@ def test_a_process_an_engine_starts_joins_the_runs_ray_cluster() -> None:
         @ray.remote(num_cpus=0)
         class Engine:
             def clusters(self) -> tuple[str, str]:
-                vllm._children_join_this_ray()
+                vllm_start.children_join_this_ray()
                 out = subprocess.run(
                     [sys.executable, "-c", child], capture_output=True, text=True, timeout=120
                 )

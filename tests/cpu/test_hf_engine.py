@@ -37,8 +37,9 @@ from transformers import AutoModelForCausalLM
 
 from tests.cpu.tiny_models import save_tiny, tiny_qwen3_config
 from vime.data.micro_batch import pack_micro_batch, response_log_probs
-from vime.rollout.engines import hf as hf_engine
-from vime.rollout.engines.hf import HFEngine, row_keys, uniforms
+from vime.rollout.engines import hf_cache, hf_sampling
+from vime.rollout.engines.hf import HFEngine
+from vime.rollout.engines.hf_sampling import row_keys, uniforms
 from vime.rollout.types import Completion, SamplingParams
 
 EOS = 1
@@ -236,13 +237,13 @@ def test_finished_rows_ride_along_and_drop_without_changing_draws(
     ride along, then leave the batch and its cache together (the batch shrinks mid-decode),
     and every completion is the one a batch of that row alone draws."""
     drops: list[int] = []
-    select = hf_engine._ReservedLayer.batch_select_indices
+    select = hf_cache.ReservedLayer.batch_select_indices
 
     def counted(layer, indices):
         drops.append(len(indices))
         return select(layer, indices)
 
-    monkeypatch.setattr(hf_engine._ReservedLayer, "batch_select_indices", counted)
+    monkeypatch.setattr(hf_cache.ReservedLayer, "batch_select_indices", counted)
     params = SamplingParams(
         n=6, temperature=1.0, max_new_tokens=12, stop_token_ids=tuple(range(20, 36)), seed=8
     )
@@ -291,7 +292,8 @@ def test_uniform_hash_is_murmur3_on_int64_tensors_without_overflow() -> None:
         ]
     )
     seeds = words.flip(0)
-    h = hf_engine._fmix32(hf_engine._absorb(hf_engine._absorb(seeds, words), words.roll(1)) ^ 8)
+    absorb, fmix = hf_sampling._absorb, hf_sampling._fmix32
+    h = fmix(absorb(absorb(seeds, words), words.roll(1)) ^ 8)
     expected = [
         murmur3_32(w.to_bytes(4, "little") + v.to_bytes(4, "little"), s)
         for w, v, s in zip(words.tolist(), words.roll(1).tolist(), seeds.tolist(), strict=True)

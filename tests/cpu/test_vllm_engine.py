@@ -478,8 +478,12 @@ def test_a_score_during_a_generation_waits_for_it(
 
 def test_prompt_logit_scale_wraps_the_v2_model_runner() -> None:
     """vLLM's V2 model runner (CUDA's default; the CPU build runs V1, which the tests
-    above use) hands its prompt log-probs the logits function: the scale wraps it."""
-    from vime.rollout.engines.vllm import VimeWorkerExtension
+    above use) hands its prompt log-probs the logits function: the scale wraps it. The
+    extension vLLM is told to load by name is this class."""
+    from vime.rollout.engines.vllm_start import WORKER_EXTENSION
+    from vime.rollout.engines.vllm_worker import VimeWorkerExtension
+
+    assert f"{VimeWorkerExtension.__module__}.VimeWorkerExtension" == WORKER_EXTENSION
 
     calls: list[Any] = []
 

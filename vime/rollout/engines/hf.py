@@ -15,23 +15,23 @@ together, as many rows at a time as ``rows_per_batch`` allows (a KV-cache token
 budget, ``max_batch_tokens``, and an optional row cap, ``max_batch_size``): by
 default a small model's whole rollout is one batch. A batch prefills its
 distinct prompts once, left-padded, and copies their KV cache to the rows that
-sample from them, into buffers reserved for the whole decode, so a step writes
-its cache column in place and passes a view of one attention mask made up
-front (nothing is concatenated per step). It then decodes one token per step
+sample from them, into buffers reserved for the whole decode (``hf_cache``), so a
+step writes its cache column in place and passes a view of one attention mask made
+up front (nothing is concatenated per step). It then decodes one token per step
 for every row: a finished row rides along, its later tokens ignored, until a
 quarter of the batch has finished; those rows are then dropped from the batch
 and the cache together (a drop copies the cache, so it is not done per row).
 Each step's log-probs come from the logits that step computed (no second
 pass). On the CPU, grouped-query attention under the padding mask runs inside
 torch's kernel rather than after transformers copies every KV head to its
-query heads (``_sdpa_gqa``; same numbers).
+query heads (``hf_cache.use_gqa_sdpa``; same numbers).
 
 Reproducibility: the uniform that draws token t of sample j of the batch's
 prompt i (its index in the whole batch: ``SamplingParams.first_prompt_index``
 plus its index in the request) is a counter-based hash of (seed, i, j, t) and
 nothing else -- murmur3 blocks and finaliser on int64 tensors, two lanes
-making a 64-bit row key, 53 random bits a uniform (``row_keys``,
-``uniforms``) -- made for all rows at once, and the token is drawn by
+making a 64-bit row key, 53 random bits a uniform (``hf_sampling``'s
+``row_keys``, ``uniforms``) -- made for all rows at once, and the token is drawn by
 inverting the CDF of the filtered distribution at it. So a completion's
 tokens do not depend on which other prompts share its batch, on the batch
 size or on how a batch was split over engines (its log-probs only up to float
@@ -56,10 +56,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from vime import device as vime_device
 from vime import profiling
+from vime.rollout.engines.hf_cache import expand_cache, use_gqa_sdpa
+from vime.rollout.engines.hf_sampling import filter_logits, row_keys, uniforms
 from vime.rollout.step_gate import StepGate
 from vime.rollout.types import Completion, SamplingParams, wake_tags
 
@@ -72,69 +73,9 @@ def _token_ids(value: Any) -> set[int]:
     return {int(v) for v in value}
 
 
-# Counter-based uniforms: murmur3's 32-bit block and finaliser, on int64 tensors whose
-# values stay in [0, 2**32): products are taken in 16-bit halves (none reaches 2**49) and
-# shifts stay below 2**63, so int64 never overflows. The same functions work on Python ints.
-_M32 = 0xFFFFFFFF
-_LANES = (0x9E3779B9, 0x7F4A7C15)  # the two hashes' seeds
 _BLOCK_STEPS = 64  # uniforms are made this many decode steps at a time
 _DROP_FRACTION = 4  # finished rows are dropped once they are 1/_DROP_FRACTION of the batch
 _MAX_SAMPLING_ENTRIES = 1 << 26  # rows x vocab of a step's sampling tensors (CDF: 512 MiB)
-
-
-def _mul32(x: Any, c: int) -> Any:
-    """``(x * c) mod 2**32`` for ``x`` in [0, 2**32) and a 32-bit constant ``c``."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _rotl32(x: Any, r: int) -> Any:
-    return ((x << r) & _M32) | (x >> (32 - r))
-
-
-def _absorb(h: Any, k: Any) -> Any:
-    """One murmur3_32 block: the 32-bit word ``k`` into the state ``h``."""
-    k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
-    return (_mul32(_rotl32(h ^ k, 13), 5) + 0xE6546B64) & _M32
-
-
-def _fmix32(h: Any) -> Any:
-    """murmur3's finaliser: every input bit reaches every output bit."""
-    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
-    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def row_keys(seed: int, prompt_index: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
-    """``[R, 2]`` int64: two 32-bit hashes of (``seed``, prompt index, sample index) per row.
-
-    The two hashes (murmur3 blocks under two seeds, the words in opposite orders) make a
-    64-bit key, so two rows of a run share their uniforms with probability ~2**-64.
-    """
-    seed %= 2**64
-    words = [seed & _M32, seed >> 32]
-    p = prompt_index.to(torch.int64)
-    rows = [p & _M32, p >> 32, sample_index.to(torch.int64) & _M32]
-    a, b = _LANES
-    for w in words:
-        a = _absorb(a, w)
-    for w in rows:
-        a = _absorb(a, w)
-    for w in reversed(rows):
-        b = _absorb(b, w)
-    for w in reversed(words):
-        b = _absorb(b, w)
-    return torch.stack([a, b], dim=-1)
-
-
-def uniforms(keys: torch.Tensor, first_step: int, steps: int) -> torch.Tensor:
-    """``[R, steps]`` float64 uniforms in [0, 1) with 53 random bits: entry ``[r, t]`` is
-    a hash of row ``r``'s key and the decode step ``first_step + t``, nothing else."""
-    step = torch.arange(first_step, first_step + steps, device=keys.device).unsqueeze(0)
-    x = _fmix32(_absorb(keys[:, :1], step))
-    y = _fmix32(_absorb(keys[:, 1:], step))
-    hi = _fmix32(_absorb(x, y))
-    lo = _fmix32(_absorb(y, hi))
-    return ((hi << 21) | (lo >> 11)).double() * 2.0**-53
 
 
 def _check_params(params: SamplingParams) -> None:
@@ -148,126 +89,6 @@ def _check_params(params: SamplingParams) -> None:
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {params.top_k}")
     if params.max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {params.max_new_tokens}")
-
-
-def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside top-k, then outside the top-p nucleus, to -inf (``[B, V]`` float).
-
-    Top-p keeps the smallest set of most likely tokens whose mass reaches
-    ``top_p`` after top-k (the order vLLM applies them); the best token always stays.
-    """
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop = mass_before >= top_p
-        drop[:, 0] = False
-        scaled = scaled.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return scaled
-
-
-class _ReservedLayer(DynamicLayer):
-    """A full-attention cache layer whose keys and values live in buffers sized for the
-    whole generation: a decode step writes its column in place, where ``DynamicLayer``
-    concatenates (copying the whole cache every step). ``keys`` / ``values`` are views of
-    the filled part, so everything that reads a ``DynamicLayer`` reads this one."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
-        super().__init__()
-        self.lazy_initialization(keys, values)
-        shape = (*keys.shape[:2], capacity, keys.shape[-1])
-        self._keys, self._values = keys.new_empty(shape), values.new_empty(shape)
-        self._length = 0
-        self.update(keys, values)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self._length + key_states.shape[-2]
-        if end > self._keys.shape[-2]:
-            raise RuntimeError(f"KV cache reserved for {self._keys.shape[-2]} positions, not {end}")
-        self._keys[:, :, self._length : end] = key_states
-        self._values[:, :, self._length : end] = value_states
-        self._length = end
-        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._keys = self._keys.index_select(0, indices)
-        self._values = self._values.index_select(0, indices)
-        self.keys, self.values = (
-            self._keys[:, :, : self._length],
-            self._values[:, :, : self._length],
-        )
-
-
-_GQA_SDPA = "vime_sdpa_gqa"
-
-
-def _sdpa_gqa(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa`` attention, except that on the CPU grouped-query attention
-    under a mask runs in the kernel (``enable_gqa``). transformers copies every KV head to
-    its query heads (``repeat_kv``) whenever there is a mask, as its fast GPU kernels need;
-    torch's CPU kernel does not, and the copy is a whole cache a layer a step."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if (
-        query.device.type == "cpu"
-        and attention_mask is not None
-        and getattr(module, "num_key_value_groups", 1) > 1
-        and not kwargs.get("output_attentions")
-        and kwargs.get("position_bias") is None
-        and kwargs.get("cache") is None
-    ):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-            enable_gqa=True,
-        )  # fmt: skip
-        return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(
-        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-        is_causal=is_causal, **kwargs,
-    )  # fmt: skip
-
-
-def _use_gqa_sdpa(model: torch.nn.Module) -> None:
-    """Switch a CPU model on transformers' ``sdpa`` to :func:`_sdpa_gqa` (same masks)."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return
-    AttentionInterface.register(_GQA_SDPA, _sdpa_gqa)
-    AttentionMaskInterface.register(_GQA_SDPA, sdpa_mask)
-    model.set_attn_implementation(_GQA_SDPA)
-
-
-def _expand_cache(cache: Any, to_row: torch.Tensor, capacity: int) -> None:
-    """Copy each prompt's cache rows to the rows sampling from it; full-attention layers
-    move into buffers reserved for ``capacity`` positions (others keep their own kind)."""
-    layers = getattr(cache, "layers", None)
-    if layers is None or getattr(cache, "offloading", False):
-        cache.batch_select_indices(to_row)
-        return
-    for k, layer in enumerate(layers):
-        if type(layer) is DynamicLayer and layer.is_initialized:
-            keys, values = layer.keys.index_select(0, to_row), layer.values.index_select(0, to_row)
-            layers[k] = _ReservedLayer(keys, values, capacity)
-        else:
-            layer.batch_select_indices(to_row)
 
 
 @dataclass
@@ -335,7 +156,7 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
         self.model.to(self.device).eval().requires_grad_(False)
         if self.device.type == "cpu":
-            _use_gqa_sdpa(self.model)
+            use_gqa_sdpa(self.model)
         config, gen = self.model.config, self.model.generation_config
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = frozenset(
@@ -460,7 +281,7 @@ class HFEngine:
         to_row = torch.tensor([slot[i] for i, _ in rows], dtype=torch.long, device=dev)
         cache = out.past_key_values
         # The last token sampled is never fed back: width + max_new - 1 positions at most.
-        _expand_cache(cache, to_row, width + max_new - 1)
+        expand_cache(cache, to_row, width + max_new - 1)
         # One mask for the whole decode, the columns of the steps to come already 1: each
         # step passes a view of its first columns (no per-step concatenation).
         mask = mask.index_select(0, to_row)

