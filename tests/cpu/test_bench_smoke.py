@@ -8,7 +8,8 @@ idle-engine and engine-update benches run and report, and that the vime-vs-TRL b
 runs both trainers on the same prompt ids and weights (where TRL is installed), and that
 the LoRA bench holds and syncs less than full-weight training, and that the LoRA engine
 bench's two vLLM paths (its own LoRA, the merge) serve the same model, and that the
-ready-order simulation prints a row per setting and way of taking. No
+ready-order simulation prints a row per setting and way of taking, and that the
+math-verify agreement bench scores every answer form both ways and writes its JSON. No
 timing is asserted: the figures depend on the machine and its load.
 """
 
@@ -230,3 +231,17 @@ def test_lora_engine_bench_smoke(tmp_path: Path) -> None:
     assert figures["probe_gap"] < 1e-4
     assert len(figures["native"]["syncs"]) == len(figures["merge"]["rollouts"]) == 2
     assert figures["native"]["tokens"] == figures["merge"]["tokens"] > 0
+
+
+def test_math_verify_agreement_bench_smoke(tmp_path: Path) -> None:
+    """``bench/math_verify_agreement.py --smoke``: one draw of every answer form, scored
+    by vime's ``math_reward`` and by math-verify alone, a table row per form."""
+    out = tmp_path / "agreement.json"
+    result = _run_bench("math_verify_agreement.py", ["--smoke", "--json", str(out)], timeout=300)
+    figures = json.loads(out.read_text())
+    assert figures["cases"] >= 40 and len(figures["rows"]) >= 40, figures["cases"]
+    assert all(row["n"] >= 1 for row in figures["rows"])
+    # Every form's truth is known: what --rm-type math runs gets each case right.
+    assert all(row["vime"] == row["n"] for row in figures["rows"]), figures["disagreements"]
+    assert "| **all** |" in result.stdout and "wall time per case" in result.stdout
+    assert figures["versions"]["math-verify"]

@@ -8,7 +8,8 @@ and is counted with its message, never raised; that a rule-based reward
 given no label fails the sample instead of matching the text "None", and
 ``reward_needs_label`` says which rewards need one; that the math scorer takes
 a list label (verl-style data) as any-of and scores a response cut off inside
-``<think>`` 0; that the remote client retries 500s until success, does not
+``<think>`` 0, and is refused at start-up, naming the install line, where
+math-verify is not installed; that the remote client retries 500s until success, does not
 retry a 400, gives up on a server that never answers or a closed port; that
 ``score_sync`` works inside a running event loop; and that bad reward flags
 (unimportable or wrongly shaped function, no reward for file data,
@@ -382,3 +383,19 @@ def test_bad_reward_flags_fail_at_start_up(hooks: str, tmp_path) -> None:
             parse_args(argv)
         assert "\n" not in str(caught.value)
     assert parse_args(["--prompt-data", str(data), "--rm-type", "math"]).rm_type == "math"
+
+
+def test_math_without_math_verify_is_refused_at_start_up(tmp_path, monkeypatch) -> None:
+    """--rm-type math is math-verify's verdict: without it installed the run does not
+    start (no silent fall-back to other rules), and the one line says what to install."""
+    import vime.rollout.rewards as rewards
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1", "label": "2"}\n')
+    monkeypatch.setattr(rewards, "math_verify_installed", lambda: False)
+    with pytest.raises(ConfigError) as caught:
+        parse_args(["--prompt-data", str(data), "--rm-type", "math"])
+    message = str(caught.value)
+    assert "math-verify" in message and "pip install -e '.[agents]'" in message
+    assert "\n" not in message
+    assert parse_args(["--prompt-data", str(data), "--rm-type", "exact"]).rm_type == "exact"

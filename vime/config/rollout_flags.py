@@ -93,8 +93,8 @@ def _rewards(p: argparse._ArgumentGroup) -> None:
         "--rm-type",
         choices=RM_TYPES,
         default=None,
-        help="built-in reward: math (final answer), exact (string match), or the "
-        "built-in task's own (default for builtin: data)",
+        help="built-in reward: math (final answer, checked by math-verify: the agents "
+        "extra), exact (string match), or the built-in task's own (default for builtin: data)",
     )
     p.add_argument(
         "--custom-rm-path",

@@ -1,95 +1,65 @@
-r"""Final-answer extraction and comparison for ``--rm-type math``.
+r"""``--rm-type math``: is the model's final answer the label's? math-verify decides.
 
-Where it fits: ``vime.rollout.rewards`` scores a math sample with
-:func:`math_reward`: 1.0 when the model's final answer equals the label, else
-0.0. Pure string functions: no torch, no I/O. The rules, in order:
+Where it fits: ``vime.rollout.rewards`` scores a math sample with :func:`math_reward`:
+1.0 when the response's answer equals the label, else 0.0. The checker is math-verify
+(HF's, used by TRL and open-r1; the ``agents`` extra), run by
+``vime.rollout.math_checker``: it finds the answer in the text (a ``\boxed{}``, an
+``Answer:`` line, the last number ...), parses both sides to sympy and compares them
+as mathematics (``0.5 == \frac{1}{2}``, ``\sqrt{12} == 2\sqrt{3}``, ``\{1,2\} ==
+\{2,1\}``, units, ``$``, ``\%`` and ``x =`` dropped). Without math-verify installed,
+``--rm-type math`` is refused at start-up with the line to install it.
 
-1. **Answer text** (:func:`answer_text`). A response with think tags
-   (Qwen3-style ``<think>reasoning</think>answer``) answers only in the text
-   after its last ``</think>``; a ``</think>`` without ``<think>`` counts too
-   (chat templates that put ``<think>`` in the prompt). A response cut off
-   inside a think block -- ``<think>`` with no ``</think>`` after it -- has
-   given no answer and scores 0, whatever numbers its reasoning wrote, and so
-   does a response with nothing after its ``</think>``. A response without
-   think tags is all answer text.
-2. **Final answer** (:func:`extract_answer`), from the answer text, first that
-   exists: the last non-empty ``\boxed{...}`` or ``\fbox{...}`` (nested braces
-   kept whole, a box cut off before its closing brace skipped); else the last
-   explicit final-answer line -- a line starting ``Answer:``, ``Final answer:``,
-   ``The final answer is:`` (case-insensitive, markdown such as
-   ``**Answer:**`` allowed), whose answer is the rest of that line (a number
-   followed by plain words -- units -- is that number); else the
-   last number (negative, thousands commas, decimals or a simple fraction:
-   ``-3``, ``1,234``, ``0.5``, ``3/4``). No answer scores 0.
-3. **Label** (:func:`math_reward`): the label itself, or the last ``\boxed{}``
-   or the text after ``####`` (GSM8K solutions) in it. A list or tuple label
-   (verl-style data) matches when any element does. A None label -- or an
-   empty list -- is a ValueError: there is nothing to compare with.
-4. **Normalization** of both sides (:func:`normalize_answer`): ``$``/``\$``,
-   ``%``/``\%`` and degrees (``^\circ``, ``^{\circ}``, ``°``) removed;
-   ``\left``/``\right`` and LaTeX spacing (``\,`` ``\!`` ``\;`` ``\quad``)
-   removed; a leading single-variable assignment dropped (``x = 5`` -> ``5``,
-   ``\theta = 30`` -> ``30``); unit words in ``\text{}``/``\mathrm{}`` after a
-   number dropped (``10\text{ cm}`` -> ``10``); other ``\text{}``,
-   ``\textbf{}``, ``\mathrm{}`` ... wrappers replaced by their content;
-   ``\dfrac``/``\tfrac`` -> ``\frac`` and brace-less arguments braced
-   (``\frac12`` -> ``\frac{1}{2}``, ``\sqrt3`` -> ``\sqrt{3}``); then
-   ``\frac{a}{b}`` -> ``a/b`` (non-atomic parts parenthesized:
-   ``(x+1)/2``); ``1{,}000`` and a whole answer ``1,000`` -> ``1000`` (commas in
-   a tuple such as ``(1, 2)`` or ``1,2`` are kept); a lone parenthesized letter
-   ``(A)`` -> ``A``; a trailing period and all whitespace removed.
-5. **Comparison** (:func:`answers_equal`): when both normalized answers parse
-   as rational numbers they are equal when the values are
-   (``0.5 == 1/2 == \frac{1}{2}``, ``3.50 == 3.5``); otherwise when the texts
-   are identical.
+What stays hand-written here is only what math-verify gets wrong or cannot know,
+measured by ``bench/math_verify_agreement.py`` (table in bench/README.md), each rule
+with a test in ``tests/cpu/test_math_answer.py``:
+
+1. **Think tags** (:func:`answer_text`). A response with think tags
+   (Qwen3-style ``<think>reasoning</think>answer``) answers only in the text after its
+   last ``</think>``; a ``</think>`` without ``<think>`` counts too (chat templates that
+   put ``<think>`` in the prompt). A response cut off inside a think block --
+   ``<think>`` with no ``</think>`` after it -- has given no answer and scores 0,
+   whatever numbers its reasoning wrote, and so does one with nothing after its
+   ``</think>``. math-verify would read the reasoning.
+2. **The last box is the answer** (:func:`final_answer`). Of several ``\boxed{...}``
+   or ``\fbox{...}`` only the last complete, non-empty one is checked; math-verify
+   would take all of them as one set (``\boxed{3} ... \boxed{5}`` as ``{3, 5}``).
+   A period closing the box's answer is dropped (``\boxed{42.}`` would not parse).
+3. **Markdown**: bold around a value is dropped (``Answer: **5**`` and
+   ``**Final answer: 7**`` would be read as whatever number came next), and a choice
+   letter alone on the last answer line (``FINAL ANSWER: (A)``, ``Answer: B``) is
+   that answer (math-verify finds letters only in a box).
+4. **Degrees**: in an answer ``°`` is written ``^{\circ}``, the form math-verify
+   drops there (``\boxed{90°}`` would not equal ``90``; a label ``90°`` does).
+5. **Labels** (:func:`gold_answers`): a list or tuple label (verl-style data) matches
+   when any element does; a GSM8K solution counts from its ``####`` on (math-verify
+   would take an ``answer is`` in the worked solution). A None label -- or an empty
+   list -- is a ValueError: there is nothing to compare with. (The checker reads a
+   label as its README writes a gold, ``$label$``, unless it has its own ``\boxed{}``.)
 """
 
 from __future__ import annotations
 
 import re
-from fractions import Fraction
+import threading
 from typing import Any
 
+from vime.rollout.math_checker import MathVerifyProcess
+
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
-
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-# A line such as "Answer: 5", "**Answer:** 5", "**Final Answer**: 5",
-# "The final answer is: 5"; group 1 is the rest of the line.
-_ANSWER_LINE = re.compile(
-    r"^[ \t>#*_-]*(?:the[ \t]+)?(?:final[ \t]+)?answer(?:[ \t]+is)?[ \t]*[*_]*[ \t]*:(.*)$",
+_DEGREE_SIGN = "\u00b0"
+# Markdown bold around a value: "**5**", "**Final answer: 7**" (not "2**3").
+_BOLD = re.compile(r"\*\*([^*\n]+?)\*\*")
+# A period after a box's answer ("\boxed{42.}"), not an ellipsis ("1, 2, ...").
+_BOX_PERIOD = re.compile(r"(?<=[\w}])\.\s*$")
+# The last line "Answer: (B)" / "The final answer is C." / "**Answer:** (A)": a letter.
+_CHOICE_LINE = re.compile(
+    r"^[ \t>#*_-]*(?:the[ \t]+)?(?:final[ \t]+)?answer(?:[ \t]+is)?[ \t*_]*:?[ \t*_]*"
+    r"\(?([A-Z])\)?[ \t*_.]*$",
     re.IGNORECASE | re.MULTILINE,
 )
-
-# A minus sign is a sign only where it cannot be a subtraction ("5-3" is 5 and
-# 3); thousands groups must be exactly three digits ("12,3456" is two numbers).
-_NUMBER = re.compile(
-    r"(?:(?<![\w)\]}])-)?"
-    r"(?:(?:\d{1,3}(?:,\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)"
-    r"(?:/\d+)?"
-)
-
-_DOLLAR_PERCENT = re.compile(r"\\?[$%]")
-_DEGREES = re.compile(r"(?:\{\})?\^\s*\{?\s*\\circ\s*\}?|°|\\degree(?![A-Za-z])")
-_SPACING = re.compile(r"\\[,!;: ]|\\q?quad(?![A-Za-z])|\\left(?![A-Za-z])|\\right(?![A-Za-z])")
-_ASSIGNMENT = re.compile(r"^(?:[A-Za-z]|\\[A-Za-z]+)\s*=\s*([^=]+)$")
-_WRAPPER = r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mbox)"
-_UNWRAP = re.compile(_WRAPPER + r"\s*\{([^{}]*)\}")
-# A plain numeral: sign, digits with any commas, decimals.
-_NUMERAL = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
-_NUMBER_WITH_UNIT = re.compile(
-    r"^(" + _NUMERAL + r"|-?\\frac\{[^{}]*\}\{[^{}]*\})\s*"
-    r"(?:" + _WRAPPER + r"\s*\{\s*[A-Za-z][A-Za-z ./]*\}\s*(?:\^\s*\{?\s*\d\s*\}?)?\s*)+$"
-)
-_ANY_FRAC = re.compile(r"\\[dt]frac(?![A-Za-z])")
-_ARG = r"\{[^{}]*\}|\\[A-Za-z]+|[0-9A-Za-z]"
-_FRAC_SHORTHAND = re.compile(rf"\\frac\s*({_ARG})\s*({_ARG})")
-_SQRT_SHORTHAND = re.compile(r"\\sqrt\s*([0-9A-Za-z])")
-_FRAC = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
-_ATOM = re.compile(r"-?[0-9A-Za-z.]+")
-_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-_CHOICE = re.compile(r"\(([A-Za-z])\)")
-_PLAIN_UNITS = re.compile(r"^\$?(" + _NUMERAL + r")\s+[A-Za-z][A-Za-z .]*$")
+_checker: MathVerifyProcess | None = None
+_checker_lock = threading.Lock()
 
 
 def answer_text(response: str) -> str | None:
@@ -123,131 +93,63 @@ def _boxed_contents(text: str) -> list[str]:
     return found
 
 
-def _answer_lines(text: str) -> list[str]:
-    lines = []
-    for match in _ANSWER_LINE.finditer(text):
-        value = match.group(1).strip(" \t*").rstrip(".").strip(" \t*")
-        units = _PLAIN_UNITS.match(value)  # "5 apples", "18 dollars an hour": the number
-        if units:
-            value = units.group(1)
-        if value:
-            lines.append(value)
-    return lines
+def _degrees(text: str) -> str:
+    return text.replace(_DEGREE_SIGN, "^{\\circ}")
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer in ``text`` (rules 1 and 2 of the module docstring).
-
-    The last ``\\boxed{...}``, else the last ``Answer: ...`` line, else the last
-    number, all taken from :func:`answer_text`. None when there is none (or the
-    response stopped inside a think block).
-    """
-    body = answer_text(text)
-    if body is None:
+def final_answer(response: str) -> str | None:
+    """The text math-verify checks (rules 1-5 of the module docstring): the last
+    non-empty box alone where there is one, else a choice letter on the last answer
+    line, else all of :func:`answer_text` less markdown bold. None when the response
+    has given no answer (cut off in a think block, or nothing after it)."""
+    body = answer_text(response)
+    if body is None or not body.strip():
         return None
     boxed = [box.strip() for box in _boxed_contents(body)]
     boxed = [box for box in boxed if box]
     if boxed:
-        return boxed[-1]
-    lines = _answer_lines(body)
-    if lines:
-        return lines[-1]
-    numbers = _NUMBER.findall(body)
-    return numbers[-1] if numbers else None
+        return _degrees(f"\\boxed{{{_BOX_PERIOD.sub('', boxed[-1])}}}")
+    body = _BOLD.sub(r"\1", body)
+    letters = [m.group(1) for m in _CHOICE_LINE.finditer(body)]
+    if letters:
+        return f"\\boxed{{{letters[-1]}}}"
+    return _degrees(body)
 
 
-def _braced(arg: str) -> str:
-    return arg if arg.startswith("{") else "{" + arg + "}"
-
-
-def _frac_to_slash(match: re.Match) -> str:
-    parts = []
-    for part in match.groups():
-        part = "".join(part.split())
-        parts.append(part if _ATOM.fullmatch(part) else f"({part})")
-    slash = "/".join(parts)
-    # "2\frac{1}{2}" must not become "21/2".
-    before = match.string[: match.start()].rstrip()
-    return f"({slash})" if before[-1:].isalnum() else slash
-
-
-def normalize_answer(text: str) -> str:
-    """``text`` in the canonical form compared by :func:`answers_equal` (rule 4)."""
-    s = _DOLLAR_PERCENT.sub("", text)
-    s = _DEGREES.sub("", s)
-    s = _SPACING.sub(" ", s)
-    s = s.replace("{,}", ",").strip().rstrip(".").strip()
-    s = _ANY_FRAC.sub(r"\\frac", s)
-    s = _SQRT_SHORTHAND.sub(r"\\sqrt{\1}", s)
-    s = _FRAC_SHORTHAND.sub(lambda m: rf"\frac{_braced(m[1])}{_braced(m[2])}", s)
-    assignment = _ASSIGNMENT.match(s)
-    if assignment:
-        s = assignment.group(1).strip()
-    unit = _NUMBER_WITH_UNIT.match(s)
-    if unit:
-        s = unit.group(1)
-    while True:
-        unwrapped = _UNWRAP.sub(r"\1", s)
-        if unwrapped == s:
-            break
-        s = unwrapped
-    s = _FRAC.sub(_frac_to_slash, s)
-    s = "".join(s.split()).rstrip(".")
-    if _THOUSANDS.fullmatch(s):
-        s = s.replace(",", "")
-    choice = _CHOICE.fullmatch(s)
-    if choice:
-        s = choice.group(1)
-    return s
-
-
-def _as_number(text: str) -> Fraction | None:
-    # Fraction parses "-3", "0.50", "1e-3" and "3/4" exactly, so equal values
-    # compare equal without float rounding.
-    try:
-        return Fraction(text)
-    except (ValueError, ZeroDivisionError, OverflowError):
-        return None
-
-
-def answers_equal(a: str, b: str) -> bool:
-    """True when ``a`` and ``b`` are the same answer (rules 4 and 5).
-
-    Both are normalized by :func:`normalize_answer`; then numerically equal when
-    both parse as rationals, otherwise equal as text.
-    """
-    na, nb = normalize_answer(a), normalize_answer(b)
-    va, vb = _as_number(na), _as_number(nb)
-    if va is not None and vb is not None:
-        return va == vb
-    return na == nb
-
-
-def _gold_answer(label: Any) -> str:
-    text = str(label)
-    boxed = _boxed_contents(text)
-    if boxed:
-        return boxed[-1]
-    # GSM8K-style labels carry their worked solution before "#### answer".
-    if "####" in text:
-        return text.rsplit("####", 1)[1]
-    return text
+def gold_answers(label: Any) -> list[str]:
+    """The answers ``label`` accepts (rule 5); ValueError when it has none."""
+    labels = list(label) if isinstance(label, list | tuple) else [label]
+    golds = []
+    for item in labels:
+        if item is None:
+            continue
+        # GSM8K-style labels carry their worked solution before "#### answer".
+        golds.append(str(item).rsplit("####", 1)[-1].strip())
+    if not golds:
+        raise ValueError(f"math_reward needs a label to compare the answer with; got {label!r}")
+    return golds
 
 
 def math_reward(response: str, label: Any) -> float:
-    """1.0 when the final answer of ``response`` equals ``label``, else 0.0.
+    """1.0 when math-verify finds the final answer of ``response`` equal to ``label``.
 
-    ``label`` is the answer itself, or a text whose last ``\\boxed{}`` or
-    ``#### answer`` holds it, or a list/tuple of such (any may match). A
-    response with no answer at all scores 0.0 (see the module docstring). A None
-    label, or a list with no element, is a ValueError: there is nothing to
-    compare with (not the text "None").
+    ``label`` is the answer itself, or a text whose ``\\boxed{}`` or ``#### answer``
+    holds it, or a list/tuple of such (any may match). A response with no answer scores
+    0.0. A None label, or a list with no element, is a ValueError: there is nothing to
+    compare with (not the text "None"). The check itself runs in math-verify's process
+    (``vime.rollout.math_checker``), which raises ``MathVerifyError`` when it gives no
+    verdict in time.
     """
-    labels = list(label) if isinstance(label, list | tuple) else [label]
-    golds = [_gold_answer(item) for item in labels if item is not None]
-    if not golds:
-        raise ValueError(f"math_reward needs a label to compare the answer with; got {label!r}")
-    predicted = extract_answer(response)
-    if predicted is None:
+    golds = gold_answers(label)
+    answer = final_answer(response)
+    if answer is None:
         return 0.0
-    return 1.0 if any(answers_equal(predicted, gold) for gold in golds) else 0.0
+    return 1.0 if _default_checker().equal(answer, golds) else 0.0
+
+
+def _default_checker() -> MathVerifyProcess:
+    global _checker
+    with _checker_lock:
+        if _checker is None:
+            _checker = MathVerifyProcess()
+        return _checker

@@ -21,7 +21,11 @@ precedence:
     ``--rm-timeout`` can abandon them; a thread that never returns cannot be
     killed and keeps its worker until it does.
 ``--rm-type math | exact``
-    Final-answer match (``vime.rollout.math_answer``) / stripped string match.
+    Final-answer match / stripped string match. ``math`` is math-verify's verdict, run
+    in a process of its own (``vime.rollout.math_checker``), with vime's few rules
+    around it (think tags, the last box, GSM8K labels: ``vime.rollout.math_answer``);
+    without math-verify installed (``pip install -e '.[agents]'``) it is refused at
+    start-up rather than scored by other rules.
 ``--rm-type builtin`` (the default for ``builtin:<task>`` prompt data)
     The built-in task's own ``reward(response, label)``, passed in by the caller.
 
@@ -56,6 +60,7 @@ from typing import Any
 
 from vime.errors import ConfigError
 from vime.rollout.math_answer import math_reward
+from vime.rollout.math_checker import MATH_VERIFY_MISSING, math_verify_installed
 
 MAX_CONCURRENCY = 32  # reward calls in flight at once (threads, requests)
 MAX_KEPT_FAILURES = 5
@@ -134,6 +139,8 @@ def reward_source(settings: RewardSettings, has_task_reward: bool) -> str:
         return "remote"
     if custom is not None:
         return "custom"
+    if rm_type == "math" and not math_verify_installed():
+        raise ConfigError(MATH_VERIFY_MISSING)
     if rm_type in ("math", "exact"):
         return rm_type
     if has_task_reward:
