@@ -95,6 +95,7 @@ def run_path(args: argparse.Namespace, hf_dir: str, batch: Any, lora: bool) -> d
     """One actor's figures: held bytes by kind, sync bytes, step times, first-step loss."""
     from vime.backends.policy_actor import make_actor
     from vime.config import parse_args
+    from vime.config.train_settings import train_settings
     from vime.data.batch import schedule
 
     flags = (
@@ -106,7 +107,7 @@ def run_path(args: argparse.Namespace, hf_dir: str, batch: Any, lora: bool) -> d
     if lora:
         flags += f" --lora-rank {args.rank} --lora-alpha {args.alpha}"
     actor = make_actor("fsdp2")
-    actor.init(parse_args(flags.split()))
+    actor.init(train_settings(parse_args(flags.split())))
     sched = schedule(batch, global_batch_size=args.samples, dp_size=1, micro_batch_size=8)
     grad_bytes: list[int] = []
     actor.optimizer.register_step_pre_hook(

@@ -162,6 +162,7 @@ def make_rollout(args: argparse.Namespace) -> Any:
 def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, dict]:
     from vime.backends import policy_actor
     from vime.config import parse_args
+    from vime.config.train_settings import train_settings
     from vime.data.batch import schedule
 
     longest = args.prompt_max + args.response_max
@@ -173,7 +174,11 @@ def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, 
         f"--use-dynamic-batch-size --max-tokens-per-gpu {cap} --prompt-data builtin:reverse"
     )  # --prompt-data only satisfies validation: the rollout here is made up
     actor = policy_actor.make_actor(args.backend)
-    actor.init(parse_args(["--hf-checkpoint", hf_dir, *flags.split(), *args.vime_flags.split()]))
+    actor.init(
+        train_settings(
+            parse_args(["--hf-checkpoint", hf_dir, *flags.split(), *args.vime_flags.split()])
+        )
+    )
     sched = schedule(batch, global_batch_size=args.samples, dp_size=1, max_tokens_per_gpu=cap)
     rows = [mb for step in sched.plan.for_rank(0) for mb in step]
 

@@ -14,7 +14,8 @@ saves), the caller barriers, every rank writes into ``.iter_N.partial``, the
 caller barriers, rank 0 calls ``commit_save``: metadata with file sizes, fsync,
 rename to ``iter_N``, fsync, atomic tracker replace, prune. The tracker thus
 only ever names a folder that is already complete under its final name.
-Assumes one writing job per SAVE_DIR, on a filesystem every rank sees.
+Assumes one writing job per SAVE_DIR, on a filesystem every rank sees. A training
+rank's folders and pruning come in its ``CheckpointSettings``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import random
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,16 @@ _HIDDEN_RE = re.compile(r"\.iter_(\d{7,})\.(partial|old|trash)")
 
 class CheckpointError(ValueError):
     """A checkpoint folder or tracker is missing, unfinished or corrupt."""
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Where a training rank saves and resumes: ``--save``, ``--load`` (None: not at all)
+    and ``--keep-last-checkpoints`` (None: keep every one)."""
+
+    save: str | None
+    load: str | None
+    keep_last: int | None
 
 
 def iteration_dir(save_dir: str | os.PathLike, rollout_id: int) -> Path:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vime.backends.base import TrainSettings
 from vime.backends.interface import (
     MicroBatchFn,
     SavedState,
@@ -27,7 +28,6 @@ from vime.backends.interface import (
     run_in_order,
 )
 from vime.backends.optim import adamw
-from vime.config.settings import adamw_settings
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 
 
@@ -40,21 +40,26 @@ def validate(args: Any) -> int:
     return 1
 
 
+def settings(args: Any) -> None:
+    """No settings of its own: ``TrainSettings`` holds all it reads."""
+    return None
+
+
 class DoubleBackend(TrainBackend):
     """``AutoModelForCausalLM`` on the host, trained whole by one rank."""
 
     name = "double"
 
-    def setup(self, args: Any) -> None:
+    def setup(self, settings: TrainSettings) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if not dist.is_initialized():  # the actor's collectives need a group, of one here
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world, self.device = 0, 1, torch.device("cpu")
-        self.temperature = args.rollout_temperature
-        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        self.temperature = settings.temperature
+        self.hf_config = AutoConfig.from_pretrained(settings.hf_checkpoint)
         self.model = AutoModelForCausalLM.from_pretrained(
-            args.hf_checkpoint, dtype=torch.float32, attn_implementation="eager"
+            settings.hf_checkpoint, dtype=torch.float32, attn_implementation="eager"
         )
         # Storages of their own: the loader's may map the file read-only, and sleep empties
         # storages in place.
@@ -62,7 +67,7 @@ class DoubleBackend(TrainBackend):
             for param in self.model.parameters():
                 param.data = param.data.clone()
         self.trained_params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = adamw(self.model.named_parameters(), adamw_settings(args))
+        self.optimizer = adamw(self.model.named_parameters(), settings.adamw)
 
     def forward_backward(
         self,

@@ -24,6 +24,7 @@ from vime.backends import policy_actor, registry
 from vime.backends.base import TrainActor
 from vime.backends.interface import TrainBackend
 from vime.backends.policy_actor import PolicyTrainActor
+from vime.config.train_settings import train_settings
 
 DOUBLE = registry.BackendSpec(
     name="double",
@@ -31,6 +32,7 @@ DOUBLE = registry.BackendSpec(
     backend="double_backend:DoubleBackend",
     add_flags="double_backend:add_flags",
     validate="double_backend:validate",
+    settings="double_backend:settings",
 )
 
 
@@ -82,7 +84,7 @@ def one_process_group() -> Any:
 def _actor(hf: str, *extra: str) -> tuple[PolicyTrainActor, Any, int]:
     args = actor_args(hf, 1, *extra, backend="double")
     actor = policy_actor.make_actor("double")
-    return actor, args, actor.init(args)
+    return actor, args, actor.init(train_settings(args))
 
 
 def _weights(actor: PolicyTrainActor) -> dict[str, torch.Tensor]:

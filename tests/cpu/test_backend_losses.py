@@ -34,6 +34,7 @@ pytest.importorskip("megatron.core")
 from vime.algo.metrics import MetricAccumulator
 from vime.config import parse_args
 from vime.config.settings import loss_settings
+from vime.config.train_settings import train_settings
 from vime.data.batch import RolloutBatch, schedule
 
 CUSTOM_LOSS = """
@@ -333,7 +334,7 @@ def _job(rank: int, world: int, backend: str, scenario: str, args, cases, custom
         from vime.backends.policy_actor import make_actor
 
         actor = make_actor("fsdp2")
-    actor.init(args)
+    actor.init(train_settings(args))
     return SCENARIOS[scenario](actor, args, cases, custom)
 
 

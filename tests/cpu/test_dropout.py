@@ -18,6 +18,7 @@ from actor_harness import VOCAB, actor_args, make_schedule, spawn
 from tiny_models import save_tiny, tiny_qwen3_config
 
 from vime.backends.dropout import without_dropout
+from vime.config.train_settings import train_settings
 
 pytest.importorskip("megatron.core")
 
@@ -37,7 +38,7 @@ def _job(rank: int, world: int, backend: str, args) -> dict:
     from vime.backends.policy_actor import make_actor
 
     actor = make_actor(backend)
-    actor.init(args)
+    actor.init(train_settings(args))
     sched = make_schedule(args, 0, world)
     first = actor.compute_log_probs(sched, "actor")
     second = actor.compute_log_probs(sched, "actor")

@@ -23,6 +23,7 @@ folder the ranks do not share is refused on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from actor_harness import VOCAB, actor_args, make_batch, make_schedule, spawn
 from tiny_models import save_tiny, tiny_llama_config, tiny_qwen2_config, tiny_qwen3_config
 
 from vime.backends.optim import LRSchedule
+from vime.config.train_settings import train_settings
 from vime.data.batch import RolloutBatch, schedule
 
 # Four rollouts of 8 samples under a warmup + cosine schedule (32 samples in all).
@@ -81,7 +83,7 @@ def _scenario_job(rank: int, world: int, scenario: str, args) -> dict:
     from vime.backends.policy_actor import make_actor
 
     actor = make_actor("fsdp2")
-    start = actor.init(args)
+    start = actor.init(train_settings(args))
     return SCENARIOS[scenario](actor, args, start)
 
 
@@ -431,17 +433,18 @@ def _unshared_folders_job(rank: int, world: int, hf: str, tmp: str) -> dict:
 
     errors = {}
     actor = make_actor("fsdp2")
-    actor.init(actor_args(hf, world, "--save", f"{tmp}/save_rank{rank}"))
+    actor.init(train_settings(actor_args(hf, world, "--save", f"{tmp}/save_rank{rank}")))
     try:
         actor.save(0)
     except CheckpointError as err:
         errors["save"] = str(err)
-    actor.args = actor.args.replace(save=f"{tmp}/shared")
+    shared = dataclasses.replace(actor.settings.checkpoint, save=f"{tmp}/shared")
+    actor.settings = dataclasses.replace(actor.settings, checkpoint=shared)
     actor.save(0)  # one folder both ranks see: fine
     load = f"{tmp}/shared" if rank == 0 else f"{tmp}/empty_rank1"
     Path(load).mkdir(exist_ok=True)
     try:
-        make_actor("fsdp2").init(actor_args(hf, world, "--load", load))
+        make_actor("fsdp2").init(train_settings(actor_args(hf, world, "--load", load)))
     except CheckpointError as err:
         errors["load"] = str(err)
     return errors

@@ -27,6 +27,7 @@ import torch
 from actor_harness import VOCAB, actor_args, make_batch, make_schedule, spawn
 from tiny_models import save_tiny, tiny_qwen3_config
 
+from vime.config.train_settings import train_settings
 from vime.data.batch import RolloutBatch
 
 RANK, ALPHA = 4, 8.0
@@ -64,7 +65,7 @@ def _job(rank: int, world: int, scenario: str, args, *extra) -> dict:
     from vime.backends.policy_actor import make_actor
 
     actor = make_actor("fsdp2")
-    start = actor.init(args)
+    start = actor.init(train_settings(args))
     return SCENARIOS[scenario](actor, args, start, *extra)
 
 
@@ -133,7 +134,7 @@ def scenario_refused(actor, args, start, other_args):
 
     actor.save(0)
     try:
-        make_actor("fsdp2").init(other_args)
+        make_actor("fsdp2").init(train_settings(other_args))
     except CheckpointError as err:
         return {"error": str(err)}
     return {"error": None}

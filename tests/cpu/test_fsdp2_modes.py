@@ -45,6 +45,7 @@ from tiny_models import save_tiny, tiny_qwen3_config
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.multiprocessing.spawn import ProcessException
 
+from vime.config.train_settings import train_settings
 from vime.data.batch import schedule
 
 MODES = {
@@ -73,7 +74,7 @@ def _actor(args):
     from vime.backends.policy_actor import make_actor
 
     actor = make_actor("fsdp2")
-    start = actor.init(args)
+    start = actor.init(train_settings(args))
     return actor, start
 
 

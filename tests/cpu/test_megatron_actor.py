@@ -48,6 +48,7 @@ from tiny_models import save_tiny, tiny_llama_config, tiny_qwen3_config
 pytest.importorskip("megatron.core")
 
 from vime.algo.metrics import MetricAccumulator
+from vime.config.train_settings import train_settings
 from vime.data.batch import schedule
 
 # VOCAB (64) is padded to 128 (TP=1) / 256 (TP=2) rows inside megatron.
@@ -101,7 +102,7 @@ def _actor(backend: str):
 
 def _scenario_job(rank: int, world: int, backend: str, scenario: str, args) -> dict:
     actor = _actor(backend)
-    start = actor.init(args)
+    start = actor.init(train_settings(args))
     return SCENARIOS[scenario](actor, args, start)
 
 

@@ -26,7 +26,7 @@ from tiny_models import tiny_qwen3_config
 from vime.backends.megatron import model as mmodel
 from vime.backends.megatron.convert import transformer_config_from_hf
 from vime.backends.megatron.distrib_optim import DistributedOptimizer
-from vime.backends.optim import decays, optimizer_step
+from vime.backends.optim import AdamWSettings, decays, optimizer_step
 from vime.data.micro_batch import pack_micro_batch
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
@@ -34,6 +34,16 @@ pytestmark = pytest.mark.usefixtures("megatron_world")
 ARGS = SimpleNamespace(
     lr=1e-2, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8
 )
+ADAMW = AdamWSettings(
+    lr=ARGS.lr,
+    weight_decay=ARGS.weight_decay,
+    betas=(ARGS.adam_beta1, ARGS.adam_beta2),
+    eps=ARGS.adam_eps,
+)
+
+
+def _optimizer(model: torch.nn.Module, dtype: torch.dtype) -> DistributedOptimizer:
+    return DistributedOptimizer(model, ADAMW, min_lr=ARGS.min_lr, clip_grad=1.0, params_dtype=dtype)
 
 
 def _model(dtype: torch.dtype = torch.float32, *, per_token: bool = True) -> torch.nn.Module:
@@ -54,9 +64,7 @@ def _backward(model: torch.nn.Module) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decay_groups_follow_vimes_rule(dtype: torch.dtype) -> None:
     model = _model(dtype)
-    optimizer = DistributedOptimizer(
-        model, SimpleNamespace(**vars(ARGS), clip_grad=1.0), params_dtype=dtype
-    )
+    optimizer = _optimizer(model, dtype)
     (part,) = optimizer._parts
     decayed = set()
     for name, param in model.named_parameters():
@@ -70,9 +78,7 @@ def test_decay_groups_follow_vimes_rule(dtype: torch.dtype) -> None:
 def test_a_step_equals_torch_adamw() -> None:
     model = _model()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = DistributedOptimizer(
-        model, SimpleNamespace(**vars(ARGS), clip_grad=1.0), params_dtype=torch.float32
-    )
+    optimizer = _optimizer(model, torch.float32)
     _backward(model)
     optimizer.finish_grads()
     grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
@@ -110,8 +116,4 @@ def test_a_step_equals_torch_adamw() -> None:
 
 def test_model_must_sum_gradients() -> None:
     with pytest.raises(ValueError, match="calculate_per_token_loss"):
-        DistributedOptimizer(
-            _model(per_token=False),
-            SimpleNamespace(**vars(ARGS), clip_grad=1.0),
-            params_dtype=torch.float32,
-        )
+        _optimizer(_model(per_token=False), torch.float32)

@@ -23,6 +23,7 @@ from tiny_models import save_tiny, tiny_qwen3_config
 pytest.importorskip("megatron.core")
 
 from vime.backends.megatron.main_params import MainParams
+from vime.config.train_settings import train_settings
 
 
 def test_gradients_accumulate_in_fp32() -> None:
@@ -74,7 +75,7 @@ def _job(rank: int, world: int, args, rollouts: int, save_at: int | None) -> dic
     from vime.data.batch import schedule
 
     actor = make_actor("megatron")
-    start = actor.init(args)
+    start = actor.init(train_settings(args))
     metrics = []
     for rollout_id in range(start, start + rollouts):
         sched = schedule(

@@ -22,6 +22,7 @@ from tiny_models import save_tiny, tiny_qwen3_config
 pytest.importorskip("megatron.core")
 
 from vime.algo.metrics import MetricAccumulator
+from vime.config.train_settings import train_settings
 from vime.data.batch import schedule
 
 GRANULARITIES = ("none", "selective", "full")
@@ -85,7 +86,7 @@ def job_modes(rank: int, world: int, hf: str) -> dict:
     for mode, flags in MODES.items():
         args = actor_args(hf, world, *flags, backend="megatron", tp=2)
         actor = make_actor("megatron")
-        actor.init(args)
+        actor.init(train_settings(args))
         results[mode] = _step0(actor, args)
         results[mode]["row_multiple"] = actor.backend.row_multiple
         results[mode]["seq_parallel_params"] = sum(

@@ -254,23 +254,21 @@ def test_tied_embeddings_copied_to_the_last_stage(tmp_path) -> None:
 def test_distributed_optimizer_builds_over_cpu_bf16_params() -> None:
     """Without the optimizer shims ``MixedPrecisionOptimizer.__init__`` raises "Torch not
     compiled with CUDA enabled" and ``_build_model_and_main_param_groups`` a TypeError."""
-    from types import SimpleNamespace
-
     from tiny_models import tiny_qwen3_config
 
     from vime.backends.megatron.convert import transformer_config_from_hf
     from vime.backends.megatron.distrib_optim import DistributedOptimizer
+    from vime.backends.optim import AdamWSettings
 
     config = tiny_qwen3_config(vocab_size=32)
     tcfg, _ = transformer_config_from_hf(
         config, params_dtype=torch.bfloat16, calculate_per_token_loss=True
     )
     model = mmodel.build_gpt_model(config, tcfg)
-    args = SimpleNamespace(
-        lr=1e-3, min_lr=0.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-        adam_eps=1e-8, clip_grad=1.0,
-    )  # fmt: skip
-    optimizer = DistributedOptimizer(model, args, params_dtype=torch.bfloat16)
+    adamw = AdamWSettings(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    optimizer = DistributedOptimizer(
+        model, adamw, min_lr=0.0, clip_grad=1.0, params_dtype=torch.bfloat16
+    )
     mains = optimizer.main_params
     assert mains and all(p.dtype == torch.float32 and p.device.type == "cpu" for p in mains)
     assert sum(p.numel() for p in mains) == sum(p.numel() for p in model.parameters())

@@ -10,6 +10,7 @@ its metrics reported; ``--use-tis`` without the engine's log-probs stops with on
 Dr. GRPO's normalizer is the run's constant, not the step's longest response; with
 GSPO, token-level TIS weights each token's gradient by its own weight. An asynchronous
 run's loss (``--max-staleness`` >= 1) is decoupled PPO's, behaviour-corrected by default.
+A custom loss reaches a process that never loaded its file (a training rank) by its spec.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import argparse
 import dataclasses
 import itertools
 import math
+import pickle
+import sys
 
 import pytest
 import torch
@@ -171,6 +174,23 @@ def test_each_loss_flag_reaches_the_loss(flag):
     loss, grad, _ = _loss_and_grad(config, data)
     base_loss, base_grad, _ = _loss_and_grad(base, data)
     assert abs(loss - base_loss) > 1e-6 or (grad - base_grad).abs().max() > 1e-6, flag
+
+
+def test_a_custom_loss_is_pickled_as_its_spec():
+    """The settings a training rank is sent carry a custom loss loaded from a file as its
+    spec, imported again on the other side: the file's module, named by vime, is not one
+    that process could import by name."""
+    config = _config("--custom-loss-function-path", CUSTOM)
+    blob = pickle.dumps(config)
+    module = config.policy_loss_fn.__module__
+    del sys.modules[module]  # as in a process that never loaded the file
+    copy = pickle.loads(blob)
+    assert module in sys.modules and copy == config
+    assert copy.policy_loss_fn is not config.policy_loss_fn
+    assert copy.policy_loss_fn.__qualname__ == "halved_loss"
+    data = _batch()
+    assert _loss_and_grad(copy, data)[0] == _loss_and_grad(config, data)[0]
+    assert pickle.loads(pickle.dumps(_config())).policy_loss_fn is policy_loss
 
 
 # Each loss flag with choices: the preconditions its choices are compared under.

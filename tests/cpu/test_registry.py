@@ -2,18 +2,21 @@
 
 Proves that every registered backend's flag adder and validator resolve, that
 its flags carry no name another backend also declares (so a misplaced flag is
-attributable), that the choices of --train-backend are exactly the registry's,
-and that unknown names and malformed paths fail with a clear message.
+attributable), that each backend's settings are frozen and are what the training
+ranks' settings hold, that the choices of --train-backend are exactly the
+registry's, and that unknown names and malformed paths fail with a clear message.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
 from vime.backends import registry
-from vime.config import build_parser
+from vime.config import build_parser, parse_args
+from vime.config.train_settings import train_settings
 
 
 def _flags_of(name: str) -> set[str]:
@@ -35,6 +38,16 @@ def test_flag_functions_resolve(name: str) -> None:
     # Backend flags must not shadow a common flag.
     common = {opt for a in build_parser(None)._actions for opt in a.option_strings}
     assert not flags & common
+
+
+@pytest.mark.parametrize("name", registry.backend_names())
+def test_backend_settings_are_frozen_and_reach_the_ranks(name: str) -> None:
+    args = parse_args(["--train-backend", name, "--prompt-data", "builtin:reverse"])
+    settings = registry.settings_maker(name)(args)
+    assert dataclasses.is_dataclass(settings) and settings.__dataclass_params__.frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.param_dtype = "float32"
+    assert train_settings(args).backend == settings
 
 
 def test_backend_flag_sets_are_disjoint() -> None:

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from vime.config.train_settings import train_settings
 from vime.weights.transports import free_port
 
 from .fsdp2_harness import fsdp2_args, random_batch, write_qwen3
@@ -100,7 +101,7 @@ def _offload_vs_resident(hf: str) -> dict:
     runs = {}
     for name, extra in (("resident", ()), ("offload", ("--fsdp-cpu-offload",))):
         actor = make_actor("fsdp2")
-        actor.init(fsdp2_args(hf, *extra))
+        actor.init(train_settings(fsdp2_args(hf, *extra)))
         metrics = [
             actor.train(_schedule(random_batch(rid), micro_batch_size=2, steps=2)) for rid in (0, 1)
         ]
@@ -125,7 +126,7 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
     from vime.backends.policy_actor import make_actor
 
     actor = make_actor("fsdp2")
-    actor.init(fsdp2_args(hf))
+    actor.init(train_settings(fsdp2_args(hf)))
     batch = random_batch(0)
     packed = actor.compute_log_probs(_schedule(batch, micro_batch_size=len(batch)), "actor")
     single = actor.compute_log_probs(_schedule(batch, micro_batch_size=1), "actor")

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from vime.config.train_settings import train_settings
 from vime.weights.transports import free_port
 
 from .fsdp2_harness import fsdp2_args, random_batch, write_qwen3
@@ -50,7 +51,7 @@ def _run(hf: str, *extra: str) -> dict:
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
     actor = make_actor("fsdp2")
-    actor.init(fsdp2_args(hf, *FLAGS, *extra))
+    actor.init(train_settings(fsdp2_args(hf, *FLAGS, *extra)))
     out: dict = {}
     if actor.backend.lora.enabled:  # first, as in a run: FSDP2 meets the adapters switched off
         out["ref_start"] = actor.compute_log_probs(_schedule(0), "ref")

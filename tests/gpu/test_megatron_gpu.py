@@ -39,6 +39,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from vime.config.train_settings import train_settings
 from vime.weights.transports import free_port
 
 pytestmark = pytest.mark.gpu
@@ -226,7 +227,7 @@ def _transformer_engine_run(hf: str) -> dict:
 
     try:
         actor = make_actor("megatron")
-        actor.init(_args(hf, "megatron", "bfloat16", *TE_IMPL))
+        actor.init(train_settings(_args(hf, "megatron", "bfloat16", *TE_IMPL)))
         result = _step0(actor)
         result["modules"] = sorted({type(m).__name__ for m in actor.backend.model.modules()})
         result["weights"] = _weight_source(actor)
@@ -277,7 +278,7 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
     for dtype in ("float32", "bfloat16"):
         for backend in ("megatron", "fsdp2"):
             actor = make_actor(backend)
-            actor.init(_args(hf, backend, dtype))
+            actor.init(train_settings(_args(hf, backend, dtype)))
             key = backend if dtype == "float32" else f"{backend}-bf16"
             results[key] = _step0(actor, update=dtype == "float32")
             results[key]["device"] = str(actor.device)
@@ -301,7 +302,9 @@ def _worker(rank: int, port: int, hf: str, out: str) -> None:
             del actor
             torch.cuda.empty_cache()
     actor = make_actor("megatron")
-    actor.init(_args(hf, "megatron", "bfloat16", "--megatron-use-distributed-optimizer"))
+    actor.init(
+        train_settings(_args(hf, "megatron", "bfloat16", "--megatron-use-distributed-optimizer"))
+    )
     results["megatron-bf16-distopt"] = _distributed_step(actor)
     del actor
     torch.cuda.empty_cache()

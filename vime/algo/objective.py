@@ -31,7 +31,8 @@ import torch
 
 from vime.algo.aggregation import aggregate_loss
 from vime.algo.correction import RolloutCorrection, correction_weights
-from vime.algo.losses import kl_penalty
+from vime.algo.custom import load_function
+from vime.algo.losses import kl_penalty, policy_loss
 from vime.algo.metrics import MetricAccumulator
 
 
@@ -41,8 +42,12 @@ class LossConfig:
     ``vime.config.settings.loss_settings``.
 
     ``correction`` is the rollout correction (``--use-tis``; None: off); ``norm_len``
-    the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO). No field has a
-    default: the flags' are the only ones (``vime.config.algo_flags``).
+    the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO). ``policy_loss_path``
+    is the ``--custom-loss-function-path`` that ``policy_loss_fn`` was loaded from: a
+    copy pickled to another process (a training rank) imports it there again by that
+    spec, as a function of a module loaded from a file pickles by a name no other
+    process could import. No field has a default: the flags' are the only ones
+    (``vime.config.algo_flags``).
     """
 
     eps_clip: float
@@ -57,6 +62,19 @@ class LossConfig:
     agg_mode: str
     norm_len: int | None
     policy_loss_fn: Callable[..., Any] = field(compare=False)
+    policy_loss_path: str | None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self.policy_loss_path is not None:
+            del state["policy_loss_fn"]  # imported again by its spec (__setstate__)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "policy_loss_fn" not in state:
+            loaded = load_function(state["policy_loss_path"], expected=policy_loss)
+            state = {**state, "policy_loss_fn": loaded}
+        self.__dict__.update(state)
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,24 @@ Ray train group creates one instance per training rank and the loop
 backend runs. Both backends consume the planner's micro-batches
 (``vime.data.packing``) and the loss in ``vime.algo``, and publish weights as
 HF-named buckets, which is what lets them be checked against each other.
+
+``TrainSettings`` is what a rank is given: ``vime.config.train_settings`` builds it
+once from the flags on the driver, and the rank (the actor, its backend) reads no flag.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vime.algo.objective import LossConfig
+    from vime.backends.optim import AdamWSettings, LRSchedule
+    from vime.checkpoint import CheckpointSettings
+    from vime.weights.hf_export import ExportSettings
+    from vime.weights.lora import LoraSettings
 
 # What ``sleep`` frees, by part: ``train_state`` (gradients, main weights, optimizer
 # state: only training reads them) and ``weights`` (what the forward and the weight
@@ -30,12 +41,34 @@ def train_tags(tags: Sequence[str] | None) -> list[str]:
     return [t for t in TRAIN_MEMORY_TAGS if t in tags]
 
 
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything one training rank needs, each part the settings of the component that
+    takes it; ``backend`` is the backend's own (its flag module's ``settings``)."""
+
+    hf_checkpoint: str | None  # the checkpoint folder the model is loaded from
+    seed: int
+    gpus_per_node: int  # the ranks of one node (LOCAL_RANK)
+    # The rollout temperature: log-probs are computed at the one the engines sampled at.
+    temperature: float
+    keep_dropout: bool  # --keep-dropout (vime.backends.dropout)
+    lr_schedule: LRSchedule
+    clip_grad: float  # the global gradient-norm clip; 0: none
+    adamw: AdamWSettings
+    loss: LossConfig
+    lora: LoraSettings
+    checkpoint: CheckpointSettings
+    export: ExportSettings
+    backend: Any
+
+
 class TrainActor(abc.ABC):
     """One training rank of a backend."""
 
     @abc.abstractmethod
-    def init(self, args: Any) -> int:
-        """Build model, optimizer and process groups; load ``--load`` if given.
+    def init(self, settings: TrainSettings) -> int:
+        """Build model, optimizer and process groups; load ``settings.checkpoint.load``'s
+        newest checkpoint if given.
 
         Returns the rollout id to start from (0, or the one after the loaded checkpoint).
         """

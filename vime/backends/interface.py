@@ -18,11 +18,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from vime.data.micro_batch import TokenStats, full_vocab_token_stats, response_log_probs
+
+if TYPE_CHECKING:
+    from vime.backends.base import TrainSettings
 
 # (sample indices, packed micro-batch, log-probs, entropy or None) -> the micro-batch's loss
 MicroBatchFn = Callable[[tuple[int, ...], Any, torch.Tensor, Any], Any]
@@ -68,8 +71,9 @@ class TrainBackend(abc.ABC):
     # ----- the interface -------------------------------------------------------------------
 
     @abc.abstractmethod
-    def setup(self, args: Any) -> None:
-        """Join the process groups, build the model and its optimizer (no checkpoint load)."""
+    def setup(self, settings: TrainSettings) -> None:
+        """Join the process groups, build the model and its optimizer (no checkpoint load);
+        ``settings.backend`` is the backend's own part (its flag module's ``settings``)."""
 
     @abc.abstractmethod
     def forward_backward(

@@ -27,11 +27,10 @@ from vime import checkpoint
 from vime import device as vime_device
 from vime.algo.metrics import MetricAccumulator
 from vime.algo.objective import Normalizers, micro_batch_loss
-from vime.backends.base import TRAIN_MEMORY_TAGS, TrainActor, train_tags
+from vime.backends.base import TRAIN_MEMORY_TAGS, TrainActor, TrainSettings, train_tags
 from vime.backends.interface import SavedState, TrainBackend
-from vime.backends.optim import LRSchedule, StepResult, optimizer_step
+from vime.backends.optim import StepResult, optimizer_step
 from vime.backends.registry import backend_class
-from vime.config.settings import loss_settings
 from vime.data.batch import TrainSchedule, pad_rows
 from vime.device import HostStash
 from vime.weights.hf_export import save_hf_folder
@@ -57,27 +56,20 @@ class PolicyTrainActor(TrainActor):
 
     # ----- set-up --------------------------------------------------------------------------
 
-    def init(self, args: Any) -> int:
+    def init(self, settings: TrainSettings) -> int:
         """Set up the backend, then the LR schedule, the loss and the counters; load
         ``--load``'s newest checkpoint if there is one."""
-        self.args = args
-        self.backend.setup(args)
-        samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
-        self.lr_schedule = LRSchedule(
-            lr=args.lr,
-            min_lr=args.min_lr,
-            decay_style=args.lr_decay_style,
-            warmup_samples=args.lr_warmup_samples,
-            total_samples=(args.num_rollout or 1) * samples_per_rollout,
-        )
-        self.loss_config = loss_settings(args)
+        self.settings = settings
+        self.backend.setup(settings)
+        self.lr_schedule = settings.lr_schedule
+        self.loss_config = settings.loss
         self.samples_consumed = 0
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self._asleep: dict[str, HostStash] = {}  # TRAIN_MEMORY_TAGS part -> its stash
         # The reference model is the initial weights, kept as host copies of this rank's shards
         # (unless the model computes as its reference by itself).
-        copies = args.use_kl_loss and self.backend.reference() is None
+        copies = settings.loss.use_kl and self.backend.reference() is None
         self.ref_shards = self._host_copies() if copies else None
         return self._start_rollout()
 
@@ -86,12 +78,13 @@ class PolicyTrainActor(TrainActor):
 
         Every rank must find the same one (else some would load, a collective, while
         the others started afresh and waited elsewhere)."""
-        if not self.args.load:
+        load = self.settings.checkpoint.load
+        if not load:
             return 0
-        point = checkpoint.resume_point(self.args.load)
+        point = checkpoint.resume_point(load)
         views = self._gather(point)
-        checkpoint.check_shared("--load", self.args.load, views, "newest checkpoints")
-        return 0 if point is None else self._load(self.args.load) + 1
+        checkpoint.check_shared("--load", load, views, "newest checkpoints")
+        return 0 if point is None else self._load(load) + 1
 
     def _gather(self, value: Any) -> list[Any]:
         """``value`` from every rank, in rank order (a collective)."""
@@ -150,7 +143,7 @@ class PolicyTrainActor(TrainActor):
         if which not in ("actor", "ref"):
             raise ValueError(f"which must be 'actor' or 'ref', got {which!r}")
         self._check_awake("weights")  # a forward: gradients and optimizer state may sleep
-        if which == "ref" and not self.args.use_kl_loss:
+        if which == "ref" and not self.settings.loss.use_kl:
             raise ValueError("no reference model: KL loss is off")
         out: PerSample = {}
 
@@ -257,7 +250,7 @@ class PolicyTrainActor(TrainActor):
             self.optimizer,
             self.trained_params,
             self.backend.grad_norm(),
-            clip_grad=self.args.clip_grad,
+            clip_grad=self.settings.clip_grad,
             lr=lr,
         )
         self.samples_consumed += num_samples
@@ -359,17 +352,18 @@ class PolicyTrainActor(TrainActor):
         if not merged and self.backend.export_adapters(path):
             return
         self._check_awake("weights")
-        buckets = self.backend.weight_buckets(self.args.update_weight_buffer_size, "export")
+        export = self.settings.export
+        buckets = self.backend.weight_buckets(export.bucket_bytes, "export")
         if self.rank != 0:
             for _ in buckets:  # take part in the gathers; rank 0 writes
                 pass
             return
         tokenizer = None
-        if self.args.hf_checkpoint:
+        if export.tokenizer:
             from transformers import AutoTokenizer
 
             try:
-                tokenizer = AutoTokenizer.from_pretrained(self.args.hf_checkpoint)
+                tokenizer = AutoTokenizer.from_pretrained(export.tokenizer)
             except (OSError, ValueError):
                 tokenizer = None  # a checkpoint without a tokenizer exports weights only
         save_hf_folder(path, buckets, config=self.backend.hf_config, tokenizer=tokenizer)
@@ -378,7 +372,7 @@ class PolicyTrainActor(TrainActor):
 
     def save(self, rollout_id: int, extra: dict[str, Any] | None = None) -> None:
         self._check_awake()
-        save_dir = self.args.save
+        save_dir = self.settings.checkpoint.save
         partial = checkpoint.begin_save(save_dir, rollout_id, is_rank0=self.rank == 0)
         dist.barrier()
         # Every rank writes into the folder rank 0 just made: on a node-local disk the
@@ -401,7 +395,7 @@ class PolicyTrainActor(TrainActor):
                 backend=self.backend.name,
                 world_size=self.world,
                 extra={"counters": counters, **self.backend.checkpoint_extra(), **(extra or {})},
-                keep_last=self.args.keep_last_checkpoints,
+                keep_last=self.settings.checkpoint.keep_last,
             )
         dist.barrier()
 

@@ -7,10 +7,13 @@ choices of ``--train-backend`` and for the selected backend's flags;
 ``BackendSpec`` line here. Everything is given by import path and resolved on
 demand, so ``vime-train --help`` imports no backend (and no torch).
 
-A backend's flag module (``add_flags`` / ``validate``) must stay light: argparse
-only, no torch, no backend library. ``validate(args)`` checks the backend's own
-flags against the rest of the configuration, raises ``ConfigError`` with a
-one-line message, and returns the data-parallel size the backend will run with.
+A backend's flag module (``add_flags`` / ``validate`` / ``settings``) must stay
+light: argparse only, no torch, no backend library. ``validate(args)`` checks the
+backend's own flags against the rest of the configuration, raises ``ConfigError``
+with a one-line message, and returns the data-parallel size the backend will run
+with. ``settings(args)`` turns the validated flags into the backend's own frozen
+settings, which ``vime.config.train_settings`` puts in the ranks' ``TrainSettings``
+(``backend``): the backend itself reads no flag.
 """
 
 from __future__ import annotations
@@ -18,10 +21,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from vime.backends.interface import TrainBackend
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class BackendSpec:
     backend: str  # a vime.backends.interface.TrainBackend class
     add_flags: str
     validate: str
+    settings: str  # (args) -> the backend's own frozen settings
     # Trains LoRA adapters (--lora-rank); a backend without them is refused at start-up.
     lora: bool = False
 
@@ -46,6 +47,7 @@ BACKENDS: dict[str, BackendSpec] = {
             backend="vime.backends.fsdp2.backend:FSDP2Backend",
             add_flags="vime.backends.fsdp2.flags:add_flags",
             validate="vime.backends.fsdp2.flags:validate",
+            settings="vime.backends.fsdp2.flags:settings",
             lora=True,
         ),
         BackendSpec(
@@ -54,6 +56,7 @@ BACKENDS: dict[str, BackendSpec] = {
             backend="vime.backends.megatron.backend:MegatronBackend",
             add_flags="vime.backends.megatron.flags:add_flags",
             validate="vime.backends.megatron.flags:validate",
+            settings="vime.backends.megatron.flags:settings",
         ),
     )
 }
@@ -98,6 +101,14 @@ def validator(name: str) -> Callable[[Any], int]:
     return resolve(get_backend(name).validate)
 
 
-def backend_class(name: str) -> type[TrainBackend]:
-    """The ``TrainBackend`` class of backend ``name`` (imports the backend)."""
+def settings_maker(name: str) -> Callable[[Any], Any]:
+    """The function that turns the flags into backend ``name``'s own frozen settings."""
+    return resolve(get_backend(name).settings)
+
+
+def backend_class(name: str) -> type:
+    """The ``TrainBackend`` class of backend ``name`` (imports the backend). Not typed as
+    one: importing that interface would close an import circle (its ``TrainSettings``
+    holds ``LoraSettings``, whose defaults are ``vime.config.lora_flags``', which
+    imports this registry)."""
     return resolve(get_backend(name).backend)

@@ -5,8 +5,8 @@ Where it fits: ``vime.config.parse_args`` gives the validated flag namespace
 component's own settings, and the run hands every component only its part. The
 dataclasses live beside the components that take them; the conversions live here and
 in ``vime.config.rollout_settings``, so no module outside ``vime.config`` reads a flag.
-``loss_settings`` and ``lora_settings`` are also what a training rank builds from the
-flags it is given.
+``loss_settings``, ``lora_settings`` and ``adamw_settings`` are also parts of what a
+training rank is given (``vime.config.train_settings``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from vime.algo.custom import load_function
 from vime.algo.losses import policy_loss
 from vime.algo.objective import LossConfig
 from vime.backends.optim import AdamWSettings
+from vime.config.algo_flags import DEFAULT_KL_TYPE
 from vime.config.rollout_settings import agent_settings, reward_settings, rollout_settings
 from vime.ray.transports import SyncSettings
 from vime.rollout.rewards import RewardSettings
@@ -99,9 +100,10 @@ def loss_settings(args: argparse.Namespace) -> LossConfig:
         correction=correction,
         use_kl=args.use_kl_loss,
         kl_coef=args.kl_loss_coef,
-        kl_type=args.kl_loss_type or "low_var_kl",
+        kl_type=args.kl_loss_type or DEFAULT_KL_TYPE,
         entropy_coef=args.entropy_coef,
         agg_mode=args.loss_agg_mode,
         norm_len=args.loss_agg_norm_len or args.rollout_max_response_len,
         policy_loss_fn=policy_loss_fn,
+        policy_loss_path=args.custom_loss_function_path or None,
     )

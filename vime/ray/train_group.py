@@ -2,8 +2,9 @@
 
 Where it fits: ``vime.trainer`` owns one group. Every rank is a ``TrainWorker``
 holding the backend's ``TrainActor`` (``policy_actor.make_actor`` for
-``--train-backend``); the worker sets the torch.distributed environment before
-the backend initializes, and runs the sending side of the run's weight transport
+``--train-backend``), initialised from the run's ``TrainSettings``
+(``vime.config.train_settings``); the worker sets the torch.distributed environment
+before the backend initializes, and runs the sending side of the run's weight transport
 (``vime.ray.transports``: rank 0 sends; the other ranks take part in the
 all-gathers of ``sync_buckets``). The loop only calls the group's methods, each
 of which returns rank 0's answer once every rank has finished, or raises as soon
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -30,6 +31,9 @@ from vime import perf, profiling
 from vime.ray.errors import label_actor, wait_all
 from vime.ray.placement import Placement, pin_process, process_cores
 from vime.ray.transports import transport_class
+
+if TYPE_CHECKING:
+    from vime.backends.base import TrainSettings
 
 
 class TrainWorker:
@@ -49,7 +53,7 @@ class TrainWorker:
 
     def init(
         self,
-        args: Any,
+        settings: TrainSettings,
         master: tuple[str, int],
         num_threads: int,
         cores: Sequence[int] | None = None,
@@ -67,7 +71,7 @@ class TrainWorker:
             MASTER_PORT=str(master[1]),
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world),
-            LOCAL_RANK=str(self.rank % max(1, args.actor_num_gpus_per_node)),
+            LOCAL_RANK=str(self.rank % max(1, settings.gpus_per_node)),
         )
         if vime_device.cuda_available():
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU: it is device 0 here.
@@ -75,7 +79,7 @@ class TrainWorker:
         from vime.backends.policy_actor import make_actor  # torch: in the rank only
 
         self.actor = make_actor(self.backend)
-        start = self.actor.init(args)
+        start = self.actor.init(settings)
         # The backend's train() runs its old/ref log-prob passes through this method: timed
         # on the instance, each pass that actually runs is a span (the FLOP count reads
         # them), with no hook in the backend.
@@ -182,7 +186,10 @@ class RayTrainGroup:
         return wait_all(self.submit(method, *args), what)
 
     def start_init(
-        self, args: Any, num_threads: int, cpu_cores: Sequence[Sequence[int]] | None = None
+        self,
+        settings: TrainSettings,
+        num_threads: int,
+        cpu_cores: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Start every rank's initialisation and return at once: the driver starts the
         engines meanwhile. Rank 0's address (the process group's master) goes to the
@@ -190,7 +197,9 @@ class RayTrainGroup:
         rank's own cores, or None to leave placement to the OS."""
         master = self.workers[0].address.remote()
         self._init_refs = [
-            w.init.remote(args, master, num_threads, None if cpu_cores is None else cpu_cores[r])
+            w.init.remote(
+                settings, master, num_threads, None if cpu_cores is None else cpu_cores[r]
+            )
             for r, w in enumerate(self.workers)
         ]
 

@@ -14,6 +14,7 @@ import time
 
 from vime import perf
 from vime.config.parser import Config
+from vime.config.train_settings import train_settings
 from vime.config.validate import check_cluster_devices, joins_cluster
 from vime.ray.cluster import cluster_gpus, start_ray
 from vime.ray.engines import EngineGroup
@@ -64,7 +65,7 @@ def build_actors(
         train_cores, engine_cores = split_cores(cores, layout.num_train, layout.num_engines)
     train_group = RayTrainGroup(args.train_backend, cluster.placement)
     started = time.time()
-    train_group.start_init(args, threads, train_cores)
+    train_group.start_init(train_settings(args), threads, train_cores)
     if args.colocate:
         start_rollout = train_group.finish_init()
         startup.mark("trainer")

@@ -5,7 +5,8 @@ HF-named buckets the weight sync sends to rollout engines
 (:mod:`vime.weights.buckets`) into :func:`save_hf_folder`, on one rank. The
 result is what ``AutoModelForCausalLM.from_pretrained(path)`` (or vLLM) reads:
 ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards plus
-``model.safetensors.index.json``, then ``config.json`` and the tokenizer.
+``model.safetensors.index.json``, then ``config.json`` and the tokenizer. A training
+rank exports as its ``ExportSettings`` say.
 
 Guarantees: shards are written as the stream arrives, so at most one shard's
 worth of tensors is held; everything goes into a temporary sibling folder that
@@ -22,6 +23,7 @@ import shutil
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,16 @@ from safetensors.torch import save_file
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """How a training rank exports (``TrainActor.export_hf``): the buckets it gathers at a
+    time (``--update-weight-buffer-size``) and the checkpoint whose tokenizer goes beside
+    the weights (``--hf-checkpoint``; None: weights and config only)."""
+
+    bucket_bytes: int
+    tokenizer: str | None
 
 
 def save_hf_folder(

@@ -33,6 +33,7 @@ from transformers import AutoConfig
 from vime import checkpoint
 from vime import device as vime_device
 from vime.backends import varlen_attention
+from vime.backends.base import TrainSettings
 from vime.backends.dropout import model_config
 from vime.backends.fsdp2 import lora as fsdp_lora
 from vime.backends.fsdp2 import model as fsdp_model
@@ -45,7 +46,6 @@ from vime.backends.interface import (
     run_in_order,
 )
 from vime.backends.optim import adamw
-from vime.config.settings import adamw_settings, lora_settings
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 from vime.weights.hf_files import LazyHFState
 from vime.weights.lora import LoraSettings, merge, write_peft_folder
@@ -56,53 +56,54 @@ class FSDP2Backend(TrainBackend):
 
     name = "fsdp2"
 
-    def setup(self, args: Any) -> None:
-        self.args = args
+    def setup(self, settings: TrainSettings) -> None:
+        self.settings = settings
+        own = settings.backend  # vime.backends.fsdp2.flags.Fsdp2Settings
         self.rank, self.world, self.device = fsdp_model.init_distributed()
-        mesh = fsdp_model.build_mesh(args.fsdp_mode, self.world, args.fsdp_shard_size, self.device)
+        mesh = fsdp_model.build_mesh(own.mode, self.world, own.shard_size, self.device)
         # hybrid and no_shard: (replicas, shard) mesh; the replicas all-reduce gradients.
         self.replicas = mesh.size(0) if mesh.ndim == 2 else 1
-        if args.hf_checkpoint is None:
+        if settings.hf_checkpoint is None:
             raise ValueError("the fsdp2 backend needs --hf-checkpoint DIR")
-        param_dtype = vime_device.resolve_dtype(args.fsdp_param_dtype, self.device)
+        param_dtype = vime_device.resolve_dtype(own.param_dtype, self.device)
         # The checkpoint's own config: its dtype is what engines and --save-hf receive. The
         # model's config cannot serve, it says float32 (the master weights it was built in).
-        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        self.hf_config = AutoConfig.from_pretrained(settings.hf_checkpoint)
         attn = fsdp_model.resolve_attn_implementation(
-            args.attn_implementation, self.device, param_dtype, self.hf_config
+            own.attn_implementation, self.device, param_dtype, self.hf_config
         )
         # Per-sample attention reads rows whose samples share their prompt (computed once).
         self.shares_prompts = attn == varlen_attention.HF_NAME
         # LoRA: adapters train, the base is frozen and, with them off, the KL reference.
-        self.lora = lora_settings(args)
+        self.lora = settings.lora
         # A low-precision compute dtype also stores the frozen base (half the memory).
         self._base_dtype = param_dtype if param_dtype != torch.float32 else None
         self._engines_have_base = False  # an adapter-only sync sends the base first
         self._saved_tied = False  # a saved module shares its weight (set by inject)
         self.model = fsdp_model.load_sharded_model(
-            args.hf_checkpoint,
+            settings.hf_checkpoint,
             mesh=mesh,
             device=self.device,
             attn_implementation=attn,
             shard_kwargs={
-                "block_classes": args.fsdp_block_classes,
+                "block_classes": own.block_classes,
                 "param_dtype": param_dtype,
-                "reduce_dtype": vime_device.resolve_dtype(args.fsdp_reduce_dtype, self.device),
-                "reshard_after_forward": args.fsdp_reshard_after_forward,
-                "cpu_offload": args.fsdp_cpu_offload,
+                "reduce_dtype": vime_device.resolve_dtype(own.reduce_dtype, self.device),
+                "reshard_after_forward": own.reshard_after_forward,
+                "cpu_offload": own.cpu_offload,
             },
             adapt=self._add_adapters if self.lora.enabled else None,
             # Dropout off in every RL forward unless --keep-dropout (vime.backends.dropout).
-            config=model_config(self.hf_config, args.keep_dropout),
+            config=model_config(self.hf_config, settings.keep_dropout),
         )
-        if args.gradient_checkpointing:
+        if own.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.trained_params = self.params
-        self.optimizer = adamw(self.model.named_parameters(), adamw_settings(args))
+        self.optimizer = adamw(self.model.named_parameters(), settings.adamw)
 
     def _add_adapters(self, model: torch.nn.Module) -> None:
-        self._saved_tied = fsdp_lora.inject(model, self.lora, self.args.seed)
+        self._saved_tied = fsdp_lora.inject(model, self.lora, self.settings.seed)
         if self._base_dtype is not None:
             fsdp_lora.store_base(model, self._base_dtype)
 
@@ -128,7 +129,7 @@ class FSDP2Backend(TrainBackend):
                 self.device
             ),
             logits=lambda packed: self.model(**packed.model_inputs()).logits,
-            temperature=self.args.rollout_temperature,
+            temperature=self.settings.temperature,
             before_backward=self._before_backward,
         )
 
@@ -184,7 +185,7 @@ class FSDP2Backend(TrainBackend):
             return self._adapter_sync(bucket_bytes)
         source = None
         if purpose == "export" and self._base_dtype is not None:
-            source = LazyHFState(self.args.hf_checkpoint)
+            source = LazyHFState(self.settings.hf_checkpoint)
         return iter_buckets(self._merged_entries(source), bucket_bytes)
 
     def _adapter_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -274,7 +275,8 @@ class FSDP2Backend(TrainBackend):
             if p.requires_grad
         }
         if self.rank == 0:
-            write_peft_folder(path, adapters, self.lora, self.args.hf_checkpoint, self._saved_tied)
+            hf = self.settings.hf_checkpoint
+            write_peft_folder(path, adapters, self.lora, hf, self._saved_tied)
         return True
 
     def release_gathered(self) -> None:
@@ -314,7 +316,7 @@ class FSDP2Backend(TrainBackend):
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if int(meta["world_size"]) == self.world:
             return True
-        _seed_all(self.args.seed * 1_000_003 + saved.rollout_id * 1_009 + self.rank)
+        _seed_all(self.settings.seed * 1_000_003 + saved.rollout_id * 1_009 + self.rank)
         if self.rank == 0:
             print(
                 f"vime: {folder} was saved by {meta['world_size']} ranks and is loaded on "

@@ -1,7 +1,9 @@
-"""Flags of the ``fsdp2`` backend and their validation.
+"""Flags of the ``fsdp2`` backend, their validation, and the settings they make.
 
 Where it fits: named by the registry, loaded by the CLI parser only when
 ``--train-backend fsdp2`` is selected (or to recognise a misplaced fsdp2 flag).
+``settings`` turns the flags into the frozen ``Fsdp2Settings`` that
+``vime.config.train_settings`` hands the training ranks (``FSDP2Backend.setup``).
 Argparse only: importing this module must not import torch.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from vime.config.validate import joins_cluster
 from vime.errors import ConfigError
@@ -114,6 +117,37 @@ def validate(args: argparse.Namespace) -> int:
             "not installed here; install it or use --attn-implementation auto"
         )
     return world
+
+
+@dataclass(frozen=True)
+class Fsdp2Settings:
+    """The fsdp2 flags, as ``FSDP2Backend`` reads them (dtypes by name, resolved on the rank's
+    device)."""
+
+    param_dtype: str
+    reduce_dtype: str
+    mode: str
+    shard_size: int | None
+    reshard_after_forward: bool
+    cpu_offload: bool
+    block_classes: str | None
+    gradient_checkpointing: bool
+    attn_implementation: str
+
+
+def settings(args: argparse.Namespace) -> Fsdp2Settings:
+    """The validated fsdp2 flags of ``args`` as ``Fsdp2Settings``."""
+    return Fsdp2Settings(
+        param_dtype=args.fsdp_param_dtype,
+        reduce_dtype=args.fsdp_reduce_dtype,
+        mode=args.fsdp_mode,
+        shard_size=args.fsdp_shard_size,
+        reshard_after_forward=args.fsdp_reshard_after_forward,
+        cpu_offload=args.fsdp_cpu_offload,
+        block_classes=args.fsdp_block_classes,
+        gradient_checkpointing=args.gradient_checkpointing,
+        attn_implementation=args.attn_implementation,
+    )
 
 
 def _importable(module: str) -> bool:

@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from vime import device as vime_device
+from vime.backends.base import TrainSettings
 from vime.backends.collectives import all_reduce_sum
 from vime.backends.dropout import model_config
 from vime.backends.interface import (
@@ -85,7 +86,6 @@ from vime.backends.megatron.main_params import MainParams
 from vime.backends.megatron.shims import apply_cpu_shims
 from vime.backends.megatron.vocab_parallel import VocabShard
 from vime.backends.optim import adamw
-from vime.config.settings import adamw_settings
 from vime.data.micro_batch import full_vocab_token_stats, response_log_probs
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 from vime.weights.hf_files import LazyHFState
@@ -97,22 +97,23 @@ class MegatronBackend(TrainBackend):
 
     name = "megatron"
 
-    def setup(self, args: Any) -> None:
-        self.args = args
-        if args.hf_checkpoint is None:
+    def setup(self, settings: TrainSettings) -> None:
+        self.settings = settings
+        own = settings.backend  # vime.backends.megatron.flags.MegatronSettings
+        if settings.hf_checkpoint is None:
             raise ValueError("the megatron backend needs --hf-checkpoint DIR")
         from transformers import AutoConfig
 
         apply_cpu_shims()
-        self.tp = int(args.megatron_tensor_parallel_size)
-        self.pp = int(args.megatron_pipeline_parallel_size)
+        self.tp = int(own.tp)
+        self.pp = int(own.pp)
         self.loss_replicas = self.tp  # every TP rank of a replica computes the same loss
         # Sequence parallel splits each row's tokens over the TP ranks.
-        self.row_multiple = self.tp if args.megatron_sequence_parallel else 1
-        self.distributed = bool(args.megatron_use_distributed_optimizer)
-        self.transformer_impl = args.megatron_transformer_impl
+        self.row_multiple = self.tp if own.sequence_parallel else 1
+        self.distributed = bool(own.distributed_optimizer)
+        self.transformer_impl = own.transformer_impl
         self.fused_norms = mmodel.fuses_norms(self.transformer_impl)
-        self.hf_config = AutoConfig.from_pretrained(args.hf_checkpoint)
+        self.hf_config = AutoConfig.from_pretrained(settings.hf_checkpoint)
         if self.tp > 1:
             # megatron-core's tensor- and sequence-parallel linears issue their async
             # collectives just before the matmuls they should overlap; with one hardware
@@ -120,27 +121,33 @@ class MegatronBackend(TrainBackend):
             # it is set before anything here touches the device.
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         self._init_parallel()
-        self.param_dtype = vime_device.resolve_dtype(args.megatron_param_dtype, self.device)
+        self.param_dtype = vime_device.resolve_dtype(own.param_dtype, self.device)
         self.model = self._build_model()
         vocab = int(self.hf_config.vocab_size)
         width = convert.padded_vocab_size(vocab, self.tp) // self.tp
         self.vocab_shard = VocabShard.of_this_rank(width, vocab)
         self._index_params()
         if self.distributed:
-            self.optimizer = DistributedOptimizer(self.model, args, params_dtype=self.param_dtype)
+            self.optimizer = DistributedOptimizer(
+                self.model,
+                settings.adamw,
+                min_lr=settings.lr_schedule.min_lr,
+                clip_grad=settings.clip_grad,
+                params_dtype=self.param_dtype,
+            )
         else:
-            self.optimizer = adamw(self.optimized, adamw_settings(args))
+            self.optimizer = adamw(self.optimized, settings.adamw)
 
     def _init_parallel(self) -> None:
         """The process groups, this rank's place in them and its pipeline stage."""
         tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         num_layers = int(self.hf_config.num_hidden_layers)
         split = {
-            "first_stage_layers": self.args.megatron_decoder_first_pipeline_num_layers,
-            "last_stage_layers": self.args.megatron_decoder_last_pipeline_num_layers,
+            "first_stage_layers": self.settings.backend.first_stage_layers,
+            "last_stage_layers": self.settings.backend.last_stage_layers,
         }
         pipeline.Stage(0, self.pp, num_layers, tied, **split)  # fail before any group is made
-        mmodel.init_model_parallel(tp=self.tp, pp=self.pp, seed=self.args.seed)
+        mmodel.init_model_parallel(tp=self.tp, pp=self.pp, seed=self.settings.seed)
         from megatron.core import parallel_state as ps
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -168,10 +175,10 @@ class MegatronBackend(TrainBackend):
         pipelined = self.pp > 1
         tcfg, _ = convert.transformer_config_from_hf(
             # Dropout off in every RL forward unless --keep-dropout (vime.backends.dropout).
-            model_config(self.hf_config, self.args.keep_dropout),
+            model_config(self.hf_config, self.settings.keep_dropout),
             tp=self.tp,
             params_dtype=self.param_dtype,
-            sequence_parallel=bool(self.args.megatron_sequence_parallel),
+            sequence_parallel=bool(self.settings.backend.sequence_parallel),
             pipeline_model_parallel_size=self.pp,
             num_layers_in_first_pipeline_stage=self.stage.first_stage_layers,
             num_layers_in_last_pipeline_stage=self.stage.last_stage_layers,
@@ -182,7 +189,7 @@ class MegatronBackend(TrainBackend):
             # Dense models have no MoE, but megatron-core refuses variable_seq_lengths
             # beside its default (allgather) token dispatcher.
             **({"moe_token_dispatcher_type": "alltoall"} if pipelined else {}),
-            **mmodel.recompute_fields(self.args.megatron_recompute_granularity),
+            **mmodel.recompute_fields(self.settings.backend.recompute_granularity),
             **mmodel.kernel_fields(self.transformer_impl),
         )
         model = mmodel.build_gpt_model(
@@ -197,7 +204,7 @@ class MegatronBackend(TrainBackend):
         model.to(self.device)
         # Every rank reads, one tensor at a time, only what its stage holds, and keeps its
         # TP shard: host memory is this rank's share, not a whole checkpoint per rank.
-        hf_state = LazyHFState(self.args.hf_checkpoint)
+        hf_state = LazyHFState(self.settings.hf_checkpoint)
         self.hf_shapes = {name: hf_state.shape(name) for name in hf_state}
         local_keys = [k for k in model.state_dict() if not k.endswith("_extra_state")]
         full = convert.hf_to_megatron(
@@ -297,7 +304,7 @@ class MegatronBackend(TrainBackend):
             backward=backward,
             pack=lambda indices: self._pack(batch, indices),
             logits=lambda packed: self._loss_logits(mmodel.stage_forward(self.model, packed)),
-            temperature=self.args.rollout_temperature,
+            temperature=self.settings.temperature,
             token_stats=self._token_stats(),
             before_backward=self._before_backward,
         )
@@ -321,7 +328,7 @@ class MegatronBackend(TrainBackend):
             logp, entropy = response_log_probs(
                 self._loss_logits(output),
                 packed,
-                temperature=self.args.rollout_temperature,
+                temperature=self.settings.temperature,
                 with_entropy=backward,
                 token_stats=self._token_stats(),
             )

@@ -49,6 +49,7 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from vime.backends.megatron.shims import apply_cpu_shims
+from vime.backends.optim import AdamWSettings
 
 # megatron-core's optimizer checkpoint format: one tensor per contiguous buffer slice,
 # no gathers, re-split over a different DP size on load.
@@ -58,7 +59,15 @@ SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 class DistributedOptimizer:
     """megatron-core's DDP wrapper and distributed optimizer around one model chunk."""
 
-    def __init__(self, model: torch.nn.Module, args: Any, *, params_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        adamw: AdamWSettings,
+        *,
+        min_lr: float,
+        clip_grad: float,
+        params_dtype: torch.dtype,
+    ) -> None:
         apply_cpu_shims()
         if not model.config.calculate_per_token_loss:
             raise ValueError(
@@ -79,13 +88,13 @@ class DistributedOptimizer:
         model.config.no_sync_func = self.ddp.no_sync
         config = OptimizerConfig(
             optimizer="adam",
-            lr=args.lr,
-            min_lr=args.min_lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad,
+            lr=adamw.lr,
+            min_lr=min_lr,
+            weight_decay=adamw.weight_decay,
+            adam_beta1=adamw.betas[0],
+            adam_beta2=adamw.betas[1],
+            adam_eps=adamw.eps,
+            clip_grad=clip_grad,
             # bf16 weights get fp32 main weights; fp16 (which would need a loss scaler)
             # is not a --megatron-param-dtype.
             bf16=params_dtype == torch.bfloat16,
@@ -98,7 +107,7 @@ class DistributedOptimizer:
         # its LR scheduler, which vime does not run (its LRSchedule sets the lr): without
         # this, AdamW would decay every group, norm weights included.
         for group in self.param_groups:
-            group["weight_decay"] = args.weight_decay * group.get("wd_mult", 1.0)
+            group["weight_decay"] = adamw.weight_decay * group.get("wd_mult", 1.0)
 
     # ----- what optim.optimizer_step drives ----------------------------------------------------
 

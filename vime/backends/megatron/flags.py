@@ -1,7 +1,9 @@
-"""Flags of the ``megatron`` backend and their validation.
+"""Flags of the ``megatron`` backend, their validation, and the settings they make.
 
 Where it fits: named by the registry, loaded by the CLI parser only when
 ``--train-backend megatron`` is selected (or to recognise a misplaced flag).
+``settings`` turns the flags into the frozen ``MegatronSettings`` that
+``vime.config.train_settings`` hands the training ranks (``MegatronBackend.setup``).
 Argparse, stdlib and the light ``vime.models.embedded`` only: importing this
 module must not import torch or megatron-core (validating ``--megatron-transformer-impl
 transformer_engine``, and only that, asks torch whether CUDA is there). The
@@ -130,9 +132,43 @@ def validate(args: argparse.Namespace) -> int:
                 "use --megatron-transformer-impl local"
             )
     hf_config = _read_hf_config(args.hf_checkpoint)
-    _check_architecture(args, hf_config, tp)
-    _check_layers(args, pp, hf_config)
+    model = args.hf_checkpoint or EMBEDDED_MODEL
+    _check_architecture(model, hf_config, tp)
+    first = args.megatron_decoder_first_pipeline_num_layers
+    last = args.megatron_decoder_last_pipeline_num_layers
+    _check_layers(model, hf_config, pp, first, last)
     return world // (tp * pp)
+
+
+@dataclass(frozen=True)
+class MegatronSettings:
+    """The megatron flags, as ``MegatronBackend`` reads them (``param_dtype`` by name,
+    resolved on the rank's device)."""
+
+    tp: int
+    pp: int
+    first_stage_layers: int | None  # --megatron-decoder-first-pipeline-num-layers
+    last_stage_layers: int | None
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    param_dtype: str
+    recompute_granularity: str
+    transformer_impl: str
+
+
+def settings(args: argparse.Namespace) -> MegatronSettings:
+    """The validated megatron flags of ``args`` as ``MegatronSettings``."""
+    return MegatronSettings(
+        tp=args.megatron_tensor_parallel_size,
+        pp=args.megatron_pipeline_parallel_size,
+        first_stage_layers=args.megatron_decoder_first_pipeline_num_layers,
+        last_stage_layers=args.megatron_decoder_last_pipeline_num_layers,
+        sequence_parallel=args.megatron_sequence_parallel,
+        distributed_optimizer=args.megatron_use_distributed_optimizer,
+        param_dtype=args.megatron_param_dtype,
+        recompute_granularity=args.megatron_recompute_granularity,
+        transformer_impl=args.megatron_transformer_impl,
+    )
 
 
 def transformer_engine_missing() -> str | None:
@@ -291,17 +327,17 @@ def _read_hf_config(hf_checkpoint: str | None) -> dict[str, Any] | None:
     return None
 
 
-def _check_architecture(args: argparse.Namespace, config: dict[str, Any] | None, tp: int) -> None:
-    """``check_architecture`` on the raw config.json (or the embedded default's fields),
-    so an unsupported model or a TP size that does not split it stops the run before any
-    process starts."""
+def _check_architecture(model: str, config: dict[str, Any] | None, tp: int) -> None:
+    """``check_architecture`` on the raw config.json (or the embedded default's fields)
+    of ``model`` (its name in the error), so an unsupported model or a TP size that does
+    not split it stops the run before any process starts."""
     # Without model_type the file is no HF config at all: the model loader says so.
     if config is None or "model_type" not in config:
         return
     try:
         check_architecture(SimpleNamespace(**config), tp)
     except ValueError as err:
-        raise ConfigError(f"{_model_name(args)}: {err}") from None
+        raise ConfigError(f"{model}: {err}") from None
     except (AttributeError, TypeError):
         return  # a field the rules need is missing or malformed: the loader's to report
 
@@ -346,11 +382,12 @@ def stage_layer_counts(
     return tuple(counts)
 
 
-def _check_layers(args: argparse.Namespace, pp: int, config: dict[str, Any] | None) -> None:
-    """The layers must split over the pipeline stages (``stage_layer_counts``); the
-    layer count is read from the checkpoint's ``config.json`` (or the embedded default's)."""
-    first = args.megatron_decoder_first_pipeline_num_layers
-    last = args.megatron_decoder_last_pipeline_num_layers
+def _check_layers(
+    model: str, config: dict[str, Any] | None, pp: int, first: int | None, last: int | None
+) -> None:
+    """The layers must split over the ``pp`` pipeline stages, ``first`` and ``last`` on
+    the end stages when given (``stage_layer_counts``); the layer count is read from
+    ``model``'s ``config.json`` (or the embedded default's)."""
     if pp == 1 and first is None and last is None:
         return
     layers = None
@@ -369,9 +406,5 @@ def _check_layers(args: argparse.Namespace, pp: int, config: dict[str, Any] | No
     try:
         stage_layer_counts(layers, pp, first, last)
     except ValueError as err:
-        where = "" if args_only else f"{_model_name(args)}: "
+        where = "" if args_only else f"{model}: "
         raise ConfigError(f"{where}{err}") from None
-
-
-def _model_name(args: argparse.Namespace) -> str:
-    return args.hf_checkpoint or EMBEDDED_MODEL

@@ -166,10 +166,10 @@ class PackedRowGPTModel(GPTModel):
             self.embedding.word_embeddings.register_forward_hook(self._hold_padding_row)
 
     def _hold_padding_row(
-        self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor
+        self, module: torch.nn.Module, inputs: tuple[Any, ...], output: torch.Tensor
     ) -> torch.Tensor:
         """The lookup's output with the pad id's vectors cut from the graph."""
-        held = args[0] == self.padding_idx  # [B, S]
+        held = inputs[0] == self.padding_idx  # [B, S]
         if module.reduce_scatter_embeddings:
             # Sequence parallel: output is this TP rank's slice [S/TP, B, H].
             rows = output.shape[0]
