@@ -2,12 +2,12 @@
 
 Where it fits: the registry names this class for ``--train-backend megatron``; a
 ``PolicyTrainActor`` holds it through the ``TrainBackend`` interface exactly as it
-holds ``FSDP2Backend``. The model is megatron-core's ``GPTModel`` (``model.py``) loaded
-from the HF checkpoint through ``convert.py``; everything else is shared with the
-fsdp2 backend: the planner's micro-batches (``vime.data``), the loss
-(``vime.algo.objective.micro_batch_loss``), the optimizer chokepoint and LR
-schedule (``vime.backends.optim``), the checkpoint layout (``vime.checkpoint``)
-and the weight source (``vime.weights.buckets``).
+holds ``FSDP2Backend``. The model is megatron-core's ``GPTModel`` (``model.py``), each
+rank's stage loaded from the HF checkpoint through ``convert.py`` (``stage_model.py``);
+everything else is shared with the fsdp2 backend: the planner's micro-batches
+(``vime.data``), the loss (``vime.algo.objective.micro_batch_loss``), the optimizer
+chokepoint and LR schedule (``vime.backends.optim``), the checkpoint layout
+(``vime.checkpoint``) and the weight source (``vime.weights.buckets``).
 
 Parallelism: tensor parallel (TP) inside megatron-core's layers; data parallel
 (DP) here, by summing each step's gradients over the DP group (the planner's
@@ -69,7 +69,6 @@ import torch.distributed as dist
 from vime import device as vime_device
 from vime.backends.base import TrainSettings
 from vime.backends.collectives import all_reduce_sum
-from vime.backends.dropout import model_config
 from vime.backends.interface import (
     MicroBatchFn,
     SavedState,
@@ -84,11 +83,11 @@ from vime.backends.megatron import model as mmodel
 from vime.backends.megatron.distrib_optim import DistributedOptimizer
 from vime.backends.megatron.main_params import MainParams
 from vime.backends.megatron.shims import apply_cpu_shims
+from vime.backends.megatron.stage_model import load_stage_model
 from vime.backends.megatron.vocab_parallel import VocabShard
 from vime.backends.optim import adamw
 from vime.data.micro_batch import full_vocab_token_stats, response_log_probs
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
-from vime.weights.hf_files import LazyHFState
 
 
 class MegatronBackend(TrainBackend):
@@ -122,7 +121,14 @@ class MegatronBackend(TrainBackend):
             os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         self._init_parallel()
         self.param_dtype = vime_device.resolve_dtype(own.param_dtype, self.device)
-        self.model = self._build_model()
+        self.model, self.hf_shapes = load_stage_model(
+            settings,
+            self.hf_config,
+            self.stage,
+            tp_rank=self.tp_rank,
+            param_dtype=self.param_dtype,
+            device=self.device,
+        )
         vocab = int(self.hf_config.vocab_size)
         width = convert.padded_vocab_size(vocab, self.tp) // self.tp
         self.vocab_shard = VocabShard.of_this_rank(width, vocab)
@@ -169,55 +175,6 @@ class MegatronBackend(TrainBackend):
         # (Middle stages hold neither and are not in it.)
         in_group = tied and self.pp > 1 and ps.is_rank_in_embedding_group()
         self.embedding_group = ps.get_embedding_group() if in_group else None
-
-    def _build_model(self) -> mmodel.PackedRowGPTModel:
-        """This stage's ``GPTModel`` with this rank's TP shard of the HF checkpoint loaded."""
-        pipelined = self.pp > 1
-        tcfg, _ = convert.transformer_config_from_hf(
-            # Dropout off in every RL forward unless --keep-dropout (vime.backends.dropout).
-            model_config(self.hf_config, self.settings.keep_dropout),
-            tp=self.tp,
-            params_dtype=self.param_dtype,
-            sequence_parallel=bool(self.settings.backend.sequence_parallel),
-            pipeline_model_parallel_size=self.pp,
-            num_layers_in_first_pipeline_stage=self.stage.first_stage_layers,
-            num_layers_in_last_pipeline_stage=self.stage.last_stage_layers,
-            # Packed rows differ in length; vime's loss carries its own normalizers.
-            variable_seq_lengths=pipelined,
-            # Keeps megatron's schedule and DDP wrapper from rescaling vime's loss.
-            calculate_per_token_loss=pipelined or self.distributed,
-            # Dense models have no MoE, but megatron-core refuses variable_seq_lengths
-            # beside its default (allgather) token dispatcher.
-            **({"moe_token_dispatcher_type": "alltoall"} if pipelined else {}),
-            **mmodel.recompute_fields(self.settings.backend.recompute_granularity),
-            **mmodel.kernel_fields(self.transformer_impl),
-        )
-        model = mmodel.build_gpt_model(
-            self.hf_config,
-            tcfg,
-            pre_process=self.stage.is_first,
-            post_process=self.stage.is_last,
-            transformer_impl=self.transformer_impl,
-        )
-        # megatron-core builds its layers on the GPU, but leaves modules it did not make
-        # where they were made; the whole model goes to this rank's device.
-        model.to(self.device)
-        # Every rank reads, one tensor at a time, only what its stage holds, and keeps its
-        # TP shard: host memory is this rank's share, not a whole checkpoint per rank.
-        hf_state = LazyHFState(self.settings.hf_checkpoint)
-        self.hf_shapes = {name: hf_state.shape(name) for name in hf_state}
-        local_keys = [k for k in model.state_dict() if not k.endswith("_extra_state")]
-        full = convert.hf_to_megatron(
-            hf_state,
-            self.hf_config,
-            self.tp_rank,
-            self.tp,
-            fused_norms=self.fused_norms,
-            only={self.stage.global_name(k) for k in local_keys},
-        )
-        mmodel.load_megatron_state(model, {k: full[self.stage.global_name(k)] for k in local_keys})
-        model.train()
-        return model
 
     def _index_params(self) -> None:
         """The trainable parameters, their HF maps, and the ones whose gradient needs more
