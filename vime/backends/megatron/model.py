@@ -1,38 +1,27 @@
 """Build megatron-core's ``GPTModel`` for an HF config and forward the planner's packed rows.
 
-Where it fits: the megatron backend's actor builds its model here, loads the
-weights converted by ``convert.hf_to_megatron`` with ``load_megatron_state``, and
-forwards each micro-batch with ``stage_forward``; its logits go through the same
+Where it fits: the megatron backend builds its model here, loads the weights converted
+by ``convert.hf_to_megatron`` with ``load_megatron_state``, and forwards each
+micro-batch with ``stage_forward``; its logits go through the same
 ``vime.data.micro_batch.response_log_probs`` and ``vime.algo`` loss as the fsdp2
-backend (under tensor parallelism each rank's vocabulary shard, reduced across
-ranks by ``vocab_parallel``; ``packed_logits`` gathers the full vocabulary, for
-tests and tools).
+backend (under tensor parallelism each rank's vocabulary shard, reduced by
+``vocab_parallel``; ``packed_logits`` gathers the full vocabulary, for tests).
 
-Packed rows (see ``vime.data.micro_batch``) go in megatron-core's THD format:
-``stage_forward`` passes ``PackedSeqParams`` whose ``cu_seqlens`` cover every position
-run of the row (the samples, then any padding), megatron restarts RoPE per run from
-them, and the core attention attends within each run. The older form of the same
-row -- one sequence under a block-diagonal causal mask (``block_causal_mask``), RoPE
-following ``position_ids`` (``PackedRowGPTModel._preprocess``) -- still works and is
-what the tests check THD against.
+Packed rows go in megatron-core's THD format: ``PackedSeqParams`` whose ``cu_seqlens``
+cover every position run of the row, so RoPE restarts per run and attention stays
+within it. The older form -- one sequence under a block-diagonal causal mask
+(``block_causal_mask``), RoPE following ``position_ids`` -- is what tests check THD
+against.
 
-Two layer implementations (``--megatron-transformer-impl``, ``build_gpt_model``):
-
-- ``local`` (the default, and the only one on the CPU): megatron-core's local layers
-  (``local_block_spec``) with torch's RMSNorm and ``PackedDotProductAttention``
-  (megatron-core's local ``DotProductAttention`` plus THD), which attends within each
-  run through ``vime.backends.varlen_attention`` -- exactly what HF computes for each
-  sample alone;
-- ``transformer_engine`` (``te_block_spec``; CUDA and TransformerEngine): TE's fused
-  norm + linear layers and ``TEDotProductAttention``, which takes the same
-  ``PackedSeqParams`` to TE's THD attention. Written against megatron-core's and
-  TE's APIs, not yet run on a GPU: ``tests/gpu/test_megatron_gpu.py`` checks it
-  against the local layers where TE is installed.
-
-TE holds each layer's two norms inside the following linear, so their parameter
-names differ (``fuses_norms``, ``convert.param_map(fused_norms=True)``); the weights'
-checkpoint keys do not, since megatron-core's local spec maps its norm names onto
-TE's (``sharded_state_dict_keys_map``). (Resuming across impls: ``MegatronBackend``.)
+Layers (``--megatron-transformer-impl``, ``build_gpt_model``): ``local`` (the default,
+the only one on the CPU) is megatron-core's local spec with torch's RMSNorm and
+``PackedDotProductAttention``, which attends per run through
+``vime.backends.varlen_attention``, exactly as HF computes each sample alone;
+``transformer_engine`` (CUDA) uses TE's fused norm + linear layers and THD attention,
+checked against the local layers by ``tests/gpu/test_megatron_gpu.py``. TE holds each
+layer's norms inside the next linear, so parameter names differ (``fuses_norms``,
+``convert.param_map(fused_norms=True)``); checkpoint keys do not
+(``sharded_state_dict_keys_map``).
 """
 
 from __future__ import annotations
