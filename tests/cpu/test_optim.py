@@ -38,9 +38,11 @@ def test_no_decay_rule() -> None:
 
 
 def test_schedule_values() -> None:
-    warm = LRSchedule(lr=1.0, warmup_samples=100, decay_style="constant", total_samples=1000)
+    warm = LRSchedule(
+        lr=1.0, min_lr=0.0, decay_style="constant", warmup_samples=100, total_samples=1000
+    )
     assert warm(0) == 0.0 and warm(25) == 0.25 and warm(100) == 1.0 and warm(999) == 1.0
-    lin = LRSchedule(lr=1.0, min_lr=0.1, decay_style="linear", total_samples=1000)
+    lin = LRSchedule(lr=1.0, min_lr=0.1, decay_style="linear", warmup_samples=0, total_samples=1000)
     assert lin(0) == 1.0 and lin(1000) == pytest.approx(0.1) and lin(5000) == pytest.approx(0.1)
     assert lin(500) == pytest.approx(0.55)
     cos = LRSchedule(

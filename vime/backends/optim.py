@@ -79,13 +79,16 @@ class LRSchedule:
     - linear:  min_lr + (lr − min_lr) · (1 − f)
     - cosine:  min_lr + (lr − min_lr) · ½ (1 + cos(π f))
       with f = clamp((s − warmup_samples) / (total_samples − warmup_samples), 0, 1).
+
+    No field has a default: the flags' are the only ones
+    (``vime.config.train_settings.lr_schedule``).
     """
 
     lr: float
-    min_lr: float = 0.0
-    decay_style: str = "constant"
-    warmup_samples: int = 0
-    total_samples: int = 1
+    min_lr: float
+    decay_style: str
+    warmup_samples: int
+    total_samples: int
 
     def __post_init__(self) -> None:
         if self.decay_style not in ("constant", "linear", "cosine"):
