@@ -81,6 +81,7 @@ def _start_ray_importing_the_trainer(config: Config, startup: Any) -> Callable[.
     ``imports`` of ``startup``, which ran together. The modules imported on the other
     thread (torch, transformers, vime's) are none of those ``ray.init`` imports.
     """
+    from vime.config.cluster_settings import placement_settings
     from vime.ray.cluster import start_ray
     from vime.ray.placement import layout_of
     from vime.tracking import HF_PROGRESS_BARS_VAR
@@ -102,7 +103,9 @@ def _start_ray_importing_the_trainer(config: Config, startup: Any) -> Callable[.
     loader.start()
     try:
         started = time.time()
-        start_ray(config.ray_address, layout_of(config, use_gpu=False).num_bundles)
+        start_ray(
+            config.ray_address, layout_of(placement_settings(config), use_gpu=False).num_bundles
+        )
         startup.add("ray", time.time() - started)
     finally:
         loader.join()  # no exit, even a failed one, while a module is half imported

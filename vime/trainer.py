@@ -23,8 +23,9 @@ from vime.data.batch import RolloutBatch, TrainSchedule, schedule
 from vime.ray.cluster import stop_ray
 from vime.ray.errors import ActorFailure, Terminated, wait_all
 from vime.rollout.manager import DataExhausted
-from vime.setup.parts import RunParts, UpdateSettings
+from vime.setup.parts import RunParts
 from vime.setup.run import build_run
+from vime.setup.settings import UpdateSettings
 from vime.tracking import default_output_dir, quiet_library_progress_bars
 
 

@@ -1,10 +1,10 @@
 """Placement: the layout of the run's bundles, their order, and the CPU split.
 
-Proves: ``layout_of`` gives one bundle per training rank plus the rollout
-devices (none extra when colocated), engine bundles never overlap training
-bundles unless colocated, and bad counts are refused. Ranks and engines take the
-placement group's bundles node by node, however Ray numbered them. ``split_cores``
-gives each side cores of its own.
+Proves: ``layout_of`` (of the flags' ``placement_settings``) gives one bundle per
+training rank plus the rollout devices (none extra when colocated), engine bundles
+never overlap training bundles unless colocated, and bad counts are refused. Ranks
+and engines take the placement group's bundles node by node, however Ray numbered
+them. ``split_cores`` gives each side cores of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from vime.config import ConfigError
+from vime.config.cluster_settings import placement_settings
 from vime.ray.placement import Layout, layout_of, node_major_order, split_cores
 
 
@@ -29,20 +30,22 @@ def _args(**kw) -> SimpleNamespace:
 
 
 def test_separate_layout_puts_engines_after_training() -> None:
-    layout = layout_of(_args(rollout_num_gpus=4, rollout_num_gpus_per_engine=2), use_gpu=True)
+    layout = layout_of(
+        placement_settings(_args(rollout_num_gpus=4, rollout_num_gpus_per_engine=2)), use_gpu=True
+    )
     assert layout == Layout(2, 2, 2, False, True)
     assert layout.num_bundles == 6
     assert layout.engine_bundles(0) == [2, 3] and layout.engine_bundles(1) == [4, 5]
 
 
 def test_colocated_layout_shares_training_bundles() -> None:
-    layout = layout_of(_args(colocate=True), use_gpu=True)
+    layout = layout_of(placement_settings(_args(colocate=True)), use_gpu=True)
     assert layout.num_engines == 2 and layout.num_bundles == 2
     assert layout.engine_bundles(1) == [1]
 
 
 def test_default_is_one_engine_beside_training() -> None:
-    layout = layout_of(_args(actor_num_gpus_per_node=1), use_gpu=False)
+    layout = layout_of(placement_settings(_args(actor_num_gpus_per_node=1)), use_gpu=False)
     assert (layout.num_train, layout.num_engines, layout.num_bundles) == (1, 1, 2)
 
 
@@ -55,7 +58,7 @@ def test_default_is_one_engine_beside_training() -> None:
 )
 def test_bad_counts_are_refused(kw, fragment) -> None:
     with pytest.raises(ConfigError, match=fragment):
-        layout_of(_args(**kw), use_gpu=False)
+        layout_of(placement_settings(_args(**kw)), use_gpu=False)
 
 
 @pytest.mark.parametrize(

@@ -50,12 +50,12 @@ import pytest
 from vime.checkpoint import TRACKER, iteration_dir
 from vime.config.parser import parse_args
 from vime.config.settings import sync_settings
+from vime.config.setup_settings import loop_settings
 from vime.data.batch import RolloutBatch, schedule
 from vime.perf import safetensors_shapes
 from vime.ray.transports import weight_transport
 from vime.ray.turns import DeviceTurns
 from vime.rollout.engines.registry import TINY_MODEL_REASON
-from vime.setup.parts import loop_settings
 from vime.trainer import plan_updates, save_due, update_order_seed
 
 REQUIRED = [

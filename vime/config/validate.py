@@ -109,7 +109,7 @@ def rollout_device_count(args: Any) -> int:
     """How many devices the rollout engines use in all: ``--rollout-num-gpus``, or by
     default every training device under ``--colocate`` and one engine's worth beside
     training otherwise. ConfigError when the engines cannot be laid out on them (also
-    what ``vime.ray.placement.layout_of`` builds its layout from)."""
+    what ``vime.config.cluster_settings`` builds the layout's counts from)."""
     num_train = args.actor_num_nodes * args.actor_num_gpus_per_node
     per_engine = args.rollout_num_gpus_per_engine
     rollout_gpus = args.rollout_num_gpus or (num_train if args.colocate else per_engine)
@@ -139,37 +139,46 @@ def joins_cluster(args: Any) -> bool:
 
 
 def check_cluster_devices(args: Any, has_gpus: bool, lacking: str) -> None:
+    """``check_devices`` of the flags ``args``."""
+    check_devices(
+        args.weight_sync, args.rollout_num_gpus_per_engine, args.colocate, has_gpus, lacking
+    )
+
+
+def check_devices(
+    weight_sync: str, gpus_per_engine: int, colocate: bool, has_gpus: bool, lacking: str
+) -> None:
     """ConfigError when the flags do not fit the devices the run gets: flags that only
     work on GPUs on a machine or cluster without any (``lacking`` says where: "none is
     visible here", "the Ray cluster at ... has none"), and on GPUs an NCCL broadcast
     group that would hold two ranks on one GPU or no GPU at all."""
     if has_gpus:
-        _check_gpu_broadcast(args)
+        _check_gpu_broadcast(weight_sync, gpus_per_engine, colocate)
         return
-    if args.weight_sync == "cuda-ipc":
+    if weight_sync == "cuda-ipc":
         raise ConfigError(
             f"--weight-sync cuda-ipc needs CUDA GPUs, and {lacking}; use --weight-sync auto"
         )
-    if args.rollout_num_gpus_per_engine > 1:
+    if gpus_per_engine > 1:
         raise ConfigError(
-            f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine} spreads each "
+            f"--rollout-num-gpus-per-engine {gpus_per_engine} spreads each "
             f"engine over GPUs, and {lacking}; use --rollout-num-gpus-per-engine 1"
         )
 
 
-def _check_gpu_broadcast(args: Any) -> None:
+def _check_gpu_broadcast(weight_sync: str, gpus_per_engine: int, colocate: bool) -> None:
     """The broadcast group's ranks are training rank 0 and each engine's actor, one GPU
     each: NCCL refuses two ranks on one device, and a tensor-parallel engine's actor
     holds none (vLLM's workers hold its GPUs)."""
-    if args.weight_sync != "broadcast":
+    if weight_sync != "broadcast":
         return
-    if args.colocate:
+    if colocate:
         raise ConfigError(
             "--weight-sync broadcast with --colocate on GPUs would put training rank 0 and "
             "an engine on one GPU in one NCCL group, which NCCL refuses; use --weight-sync "
             "auto (CUDA IPC)"
         )
-    if args.rollout_num_gpus_per_engine > 1:
+    if gpus_per_engine > 1:
         raise ConfigError(
             "--weight-sync broadcast does not reach tensor-parallel engines on GPUs (vLLM's "
             "workers, not the engine's actor, hold their GPUs); use --weight-sync auto "

@@ -15,13 +15,10 @@ import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-from vime.config.validate import rollout_device_count
 
 READY_TIMEOUT_S = 120.0
 
@@ -91,11 +88,21 @@ def process_cores() -> list[int]:
     return sorted(cores)
 
 
-def layout_of(args: Any, use_gpu: bool) -> Layout:
-    num_train = args.actor_num_nodes * args.actor_num_gpus_per_node
-    per_engine = args.rollout_num_gpus_per_engine
-    engines = rollout_device_count(args) // per_engine
-    return Layout(num_train, engines, per_engine, args.colocate, use_gpu)
+@dataclass(frozen=True)
+class PlacementSettings:
+    """The device counts a layout is built from (``vime.config.cluster_settings``):
+    training ranks, rollout devices in all, devices an engine takes, ``--colocate``."""
+
+    num_train: int
+    rollout_devices: int
+    gpus_per_engine: int
+    colocate: bool
+
+
+def layout_of(settings: PlacementSettings, use_gpu: bool) -> Layout:
+    """The layout of ``settings``' devices, GPUs where ``use_gpu`` (else CPUs)."""
+    engines = settings.rollout_devices // settings.gpus_per_engine
+    return Layout(settings.num_train, engines, settings.gpus_per_engine, settings.colocate, use_gpu)
 
 
 def node_major_order(bundle_nodes: Sequence[str], num_train: int) -> list[int]:

@@ -5,5 +5,6 @@ builders in order and returns the ``RunParts`` (``parts.py``) that
 ``vime.trainer.Run``, the loop, works with: ``data.py`` the model, tokenizer, task,
 tools, prompts and reward; ``actors.py`` Ray, the placement, the training ranks and
 the engines; ``run.py`` the rollout source, the weight transport, the step timing and
-the tracker. Kept free of imports: the modules import each other's parts.
+the tracker; ``settings.py`` what each of them and the loop take, converted from the
+flags in ``vime.config``. Kept free of imports: the modules import each other's parts.
 """

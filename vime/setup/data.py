@@ -1,10 +1,12 @@
 """Builders of what a run knows before Ray starts: model, tokenizer, task, tools,
-prompts, the run's length and the reward scorer.
+prompts and the reward scorer.
 
-Where it fits: the first builders ``vime.setup.run.build_run`` calls. With no
-``--hf-checkpoint`` the embedded model is written into the output folder; prompts over
-``--rollout-max-prompt-len`` are dropped and counted; ``resolve_run`` fixes the values
-every process must agree on (the run's length, the checkpoint, the export folder).
+Where it fits: the first builders ``vime.setup.run.build_run`` calls, on
+``vime.setup.settings``' ``DataSettings``. With no ``--hf-checkpoint`` the embedded
+model is written into the output folder; prompts over ``--rollout-max-prompt-len`` are
+dropped and counted. Then ``vime.config.setup_settings.resolve_run`` fixes the values
+every process must agree on (the run's length, the checkpoint, the export folder), and
+the scorer is built on the resolved flags' ``ScorerSettings``.
 """
 
 from __future__ import annotations
@@ -12,105 +14,92 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vime.config.parser import Config
 from vime.data.prompts import (
     PromptSource,
     builtin_task_of,
     filter_prompt_lengths,
     load_prompts,
-    prompts_per_rollout,
     render_prompt,
-    run_length,
 )
-from vime.rollout.rewards import RewardSettings, build_reward_scorer
+from vime.rollout.rewards import build_reward_scorer
 from vime.rollout.settings import AgentSettings
 from vime.rollout.tools.loop import check_tool_format
 from vime.rollout.tools.toolbox import load_tools
 from vime.setup.parts import Closer, Console, Model, Prompts
+from vime.setup.settings import ModelSettings, PromptSettings, ScorerSettings
 
 EMBEDDED_MODEL_DIR = "embedded_model"
 
 
-def build_model(args: Config, agent: AgentSettings, console: Console, closer: Closer) -> Model:
+def build_model(
+    settings: ModelSettings, agent: AgentSettings, console: Console, closer: Closer
+) -> Model:
     """The checkpoint (the embedded model written into the output folder when
     ``--hf-checkpoint`` names none), its tokenizer, the task and the tools."""
-    embedded = args.hf_checkpoint is None
-    checkpoint = args.hf_checkpoint or _embedded_checkpoint(args.output_dir, args.seed)
+    embedded = settings.hf_checkpoint is None
+    checkpoint = settings.hf_checkpoint or _embedded_checkpoint(settings.output_dir, settings.seed)
     console.say(f"vime: model {checkpoint}")
     tokenizer = _tokenizer(checkpoint, embedded=embedded)
-    task = _task(builtin_task_of(args.prompt_data or ""))
+    task = _task(builtin_task_of(settings.prompt_data or ""))
     # Multi-turn rollouts: the tools, shown to the model in its prompts, and read from
     # its turns by --tool-parser, whose fit to the tokenizer is known only now.
     toolbox = None
-    if args.tools:
+    if agent.tools:
         check_tool_format(agent, tokenizer)
-        toolbox = load_tools(args.tools)
+        toolbox = load_tools(agent.tools)
         closer.callback(toolbox.close)
     return Model(checkpoint, embedded, tokenizer, task, toolbox)
 
 
-def build_prompts(args: Config, model: Model, console: Console, *, require_label: bool) -> Prompts:
-    """The training and eval prompts as token ids, over-long ones dropped and counted
-    (``require_label``: a row without a label is refused, as the reward reads it)."""
-    train, ids, dropped = _token_prompts(args, args.prompt_data, model, console, require_label)
-    source = PromptSource(train, num_epoch=args.num_epoch, seed=args.seed)
+def build_prompts(settings: PromptSettings, model: Model, console: Console) -> Prompts:
+    """The training and eval prompts as token ids, over-long ones dropped and counted (a
+    row without a label refused where the reward reads it)."""
+    train, ids, dropped = _token_prompts(settings, settings.prompt_data, model, console)
+    source = PromptSource(train, num_epoch=settings.num_epoch, seed=settings.seed)
     # Prompts over --rollout-max-prompt-len, as recorded in metrics.jsonl and summary.json.
     counts = {"data/prompts_dropped": float(dropped)}
     eval_prompts = eval_ids = None
-    if args.eval_prompt_data:
+    if settings.eval_prompt_data:
         eval_prompts, eval_ids, eval_dropped = _token_prompts(
-            args, args.eval_prompt_data, model, console, require_label
+            settings, settings.eval_prompt_data, model, console
         )
         counts["data/eval_prompts_dropped"] = float(eval_dropped)
     return Prompts(source, ids, eval_prompts, eval_ids, counts)
 
 
-def resolve_run(args: Config, model: Model, prompts: Prompts) -> Config:
-    """``args`` with what is known only now, so every process sees the same values: the
-    run's length (the LR schedule needs it; over-sampling draws more prompts a rollout,
-    and the run is as long as the data feeds), the checkpoint the embedded default wrote,
-    and where its trained model goes."""
-    per_rollout = prompts_per_rollout(args.rollout_batch_size, args.over_sampling_factor)
-    embedded_out = os.path.join(args.output_dir, "model") if model.embedded else None
-    return args.replace(
-        hf_checkpoint=model.checkpoint,
-        num_rollout=run_length(prompts.source, per_rollout, args.num_rollout),
-        save_hf=args.save_hf or embedded_out,
-    )
-
-
-def build_scorer(rewards: RewardSettings, args: Config, model: Model, closer: Closer) -> Any:
+def build_scorer(settings: ScorerSettings, model: Model, closer: Closer) -> Any:
     """The reward scorer: ``--rm-type`` or the task's own reward (a custom reward
-    function is handed the run's flags, ``args``, as its documented first argument)."""
+    function is handed the run's flags, ``settings.hook_args``, as its documented first
+    argument)."""
     task = model.task
     scorer = build_reward_scorer(
-        rewards,
+        settings.rewards,
         task.reward if task else None,
         task_reads_trajectory=bool(task and task.reads_trajectory),
-        hook_args=args,
+        hook_args=settings.hook_args,
     )
     closer.callback(scorer.close)
     return scorer
 
 
 def _token_prompts(
-    args: Config, spec: str, model: Model, console: Console, require_label: bool
+    settings: PromptSettings, spec: str, model: Model, console: Console
 ) -> tuple[list[Any], dict[int, list[int]], int]:
     """The prompts of ``spec`` that fit ``--rollout-max-prompt-len``, their token ids by
     prompt index, and how many were dropped."""
     prompts = load_prompts(
         spec,
-        input_key=args.input_key,
-        label_key=args.label_key,
-        metadata_key=args.metadata_key,
-        seed=args.seed,
-        require_label=require_label,
-        apply_chat_template=args.apply_chat_template,
+        input_key=settings.input_key,
+        label_key=settings.label_key,
+        metadata_key=settings.metadata_key,
+        seed=settings.seed,
+        require_label=settings.require_label,
+        apply_chat_template=settings.apply_chat_template,
     )
     tools = model.toolbox.schemas if model.toolbox else None
-    template = args.apply_chat_template
+    template = settings.apply_chat_template
     ids = [render_prompt(p.text, model.tokenizer, template, tools) for p in prompts]
-    limit = args.rollout_max_prompt_len
+    limit = settings.max_prompt_len
     kept, kept_ids, dropped = filter_prompt_lengths(prompts, ids, limit, spec=spec)
     if dropped:
         console.say(

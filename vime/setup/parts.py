@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from vime import perf
-from vime.config.parser import Config
 from vime.data.prompts import PromptSource
 from vime.ray.engines import EngineGroup
 from vime.ray.placement import Layout, Placement
@@ -25,6 +24,7 @@ from vime.ray.turns import DeviceTurns
 from vime.rollout.manager import RolloutManager
 from vime.rollout.producer import RolloutProducer
 from vime.rollout.tools.toolbox import Toolbox
+from vime.setup.settings import LoopSettings
 from vime.step_timing import StepTiming
 from vime.tracking import Tracker
 
@@ -117,34 +117,6 @@ class Actors:
 
 
 @dataclass(frozen=True)
-class UpdateSettings:
-    """How a rollout's batch is split into optimizer steps (``vime.trainer.plan_updates``);
-    ``shuffle_seed``: the run's seed under ``--shuffle-updates``, else None."""
-
-    global_batch_size: int
-    dp_size: int
-    micro_batch_size: int
-    max_tokens_per_gpu: int | None
-    shuffle_seed: int | None
-
-
-@dataclass(frozen=True)
-class LoopSettings:
-    """What the loop (``vime.trainer.Run``) reads of the run's flags."""
-
-    output_dir: str
-    num_rollout: int
-    updates: UpdateSettings
-    colocate: bool
-    rollout_temperature: float
-    eval_interval: int | None
-    save: str | None
-    save_interval: int | None
-    save_hf: str | None
-    save_hf_merged: str | None
-
-
-@dataclass(frozen=True)
 class RunParts:
     """Everything a run's loop works with, built (``build_run``)."""
 
@@ -158,17 +130,3 @@ class RunParts:
     timing: StepTiming
     tracker: Tracker
     closer: Closer
-
-
-def loop_settings(args: Config) -> LoopSettings:
-    """What the loop reads of the (resolved) flags."""
-    updates = UpdateSettings(
-        global_batch_size=args.global_batch_size,
-        dp_size=args.data_parallel_size,
-        micro_batch_size=args.micro_batch_size,
-        max_tokens_per_gpu=args.max_tokens_per_gpu if args.use_dynamic_batch_size else None,
-        shuffle_seed=args.seed if args.shuffle_updates else None,
-    )
-    # Every other field is the flag of its name.
-    flags = {f.name: getattr(args, f.name) for f in fields(LoopSettings) if f.name != "updates"}
-    return LoopSettings(updates=updates, **flags)

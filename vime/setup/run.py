@@ -19,25 +19,18 @@ from typing import Any
 from vime import perf
 from vime.config.parser import Config
 from vime.config.settings import RunSettings, build_settings
+from vime.config.setup_settings import data_settings, resolve_run
 from vime.errors import ConfigError
 from vime.profiling import PhaseClock, TimedCalls
 from vime.ray.placement import Layout
 from vime.ray.transports import make_transport
 from vime.rollout.manager import RolloutManager
 from vime.rollout.producer import ProducerSettings, RolloutProducer
-from vime.rollout.rewards import reward_needs_label
 from vime.rollout.tools.loop import build_agent
 from vime.setup.actors import build_actors, build_cluster
-from vime.setup.data import build_model, build_prompts, build_scorer, resolve_run
-from vime.setup.parts import (
-    Actors,
-    Closer,
-    Console,
-    Model,
-    Prompts,
-    RunParts,
-    loop_settings,
-)
+from vime.setup.data import build_model, build_prompts, build_scorer
+from vime.setup.parts import Actors, Closer, Console, Model, Prompts, RunParts
+from vime.setup.settings import TimingSettings, TrackerSettings
 from vime.step_timing import StepTiming
 from vime.tracking import Tracker, default_output_dir
 
@@ -53,35 +46,36 @@ def build_run(args: Config, startup: perf.StartupClock | None = None) -> RunPart
     args = args.replace(output_dir=args.output_dir or default_output_dir())
     try:
         os.makedirs(args.output_dir, exist_ok=True)
-        # Each component's settings; none reads what resolve_run fills in below.
-        settings = build_settings(args)
-        model = build_model(args, settings.agent, console, closer)
-        needs_label = reward_needs_label(settings.rewards)
-        prompts = build_prompts(args, model, console, require_label=needs_label)
-        args = resolve_run(args, model, prompts)
-        scorer = build_scorer(settings.rewards, args, model, closer)
+        data = data_settings(args)  # none of it is what resolve_run fills in below
+        model = build_model(data.model, data.agent, console, closer)
+        prompts = build_prompts(data.prompts, model, console)
+        args = resolve_run(args, model.checkpoint, model.embedded, prompts.source)
+        settings = build_settings(args)  # every later part's, from the resolved flags
+        scorer = build_scorer(settings.scorer, model, closer)
         startup.mark("model")  # the checkpoint, the tokenizer, the prompts, the reward
-        cluster = build_cluster(args)
+        cluster = build_cluster(settings.cluster)
         startup.mark("ray")
-        actors = build_actors(args, settings.lora, model, cluster, startup, console)
-        position = _loaded_data_position(args, actors) if actors.start_rollout > 0 else None
+        actors = build_actors(settings.actors, model, cluster, startup, console)
+        position = (
+            _loaded_data_position(settings.load, actors) if actors.start_rollout > 0 else None
+        )
         clock = PhaseClock()  # the driver's phases, the reward's among them
         manager = build_manager(settings, model, prompts, actors, scorer, clock, position, console)
-        producer = build_producer(args, settings, manager, actors, cluster.layout, position, closer)
+        producer = build_producer(settings, manager, actors, cluster.layout, position, closer)
         transport = make_transport(
             settings.sync, cluster.use_gpu, actors.train_group, actors.engines
         )
         transport.setup()
         startup.mark("other")
-        timing = build_timing(args, model, actors, clock, console)
+        timing = build_timing(settings.timing, model, actors, clock, console)
         startup.mark("peak")
-        tracker = build_tracker(args, actors.start_rollout, closer)
+        tracker = build_tracker(settings.tracker, actors.start_rollout, closer)
         console.tracker = tracker
     except BaseException:
         closer.close("failed")
         raise
     return RunParts(
-        loop_settings(args),
+        settings.loop,
         startup,
         prompts,
         actors,
@@ -123,7 +117,6 @@ def build_manager(
 
 
 def build_producer(
-    args: Config,
     settings: RunSettings,
     manager: RolloutManager,
     actors: Actors,
@@ -135,16 +128,17 @@ def build_producer(
     thread and rollouts take their batches from it, first the prompts the resumed
     ``position`` holds drawn and not trained; None otherwise."""
     pending: list[int] = (position or {}).get("pending", [])
-    if pending and not args.max_staleness:  # known only from the checkpoint
+    staleness = settings.max_staleness
+    if pending and not staleness:  # known only from the checkpoint
         raise ConfigError(
-            f"--load {args.load}: the checkpoint holds {len(pending)} prompts an "
+            f"--load {settings.load}: the checkpoint holds {len(pending)} prompts an "
             "asynchronous run had drawn and not trained; resume it with "
             "--max-staleness >= 1, so they are generated first"
         )
-    if not args.max_staleness:
+    if not staleness:
         return None
     producer = RolloutProducer(
-        ProducerSettings.for_engines(settings.rollout, args.max_staleness, layout.num_engines),
+        ProducerSettings.for_engines(settings.rollout, staleness, layout.num_engines),
         manager,
         actors.engines,
         weight_version=actors.start_rollout,
@@ -154,12 +148,12 @@ def build_producer(
     return producer
 
 
-def _loaded_data_position(args: Config, actors: Actors) -> dict[str, Any]:
-    """The data position the checkpoint ``--load`` resumes from was saved with."""
+def _loaded_data_position(load: str | None, actors: Actors) -> dict[str, Any]:
+    """The data position the checkpoint ``--load`` (``load``) resumes from was saved with."""
     extra = actors.train_group.loaded_extra()
     if "data" not in extra:
         raise ConfigError(
-            f"--load {args.load}: the checkpoint of rollout {actors.start_rollout - 1} holds "
+            f"--load {load}: the checkpoint of rollout {actors.start_rollout - 1} holds "
             "no data position (it was not written by vime-train); start a new run with "
             "--hf-checkpoint instead"
         )
@@ -167,7 +161,7 @@ def _loaded_data_position(args: Config, actors: Actors) -> dict[str, Any]:
 
 
 def build_timing(
-    args: Config, model: Model, actors: Actors, clock: PhaseClock, console: Console
+    settings: TimingSettings, model: Model, actors: Actors, clock: PhaseClock, console: Console
 ) -> StepTiming:
     """The steps' phase timing, and the training peak MFU is measured against."""
     timing = StepTiming(
@@ -176,25 +170,25 @@ def build_timing(
         clock,
         shape=perf.model_shape(model.checkpoint),
         peaks=actors.train_group.peaks(),
-        profile_rollouts=args.profile_rollouts,
-        trace_path=os.path.join(args.output_dir, TRACE_FILE),
+        profile_rollouts=settings.profile_rollouts,
+        trace_path=os.path.join(settings.output_dir, TRACE_FILE),
     )
     peak = f"{timing.peak_flops / 1e9:.3g} GFLOP/s"
     console.say(f"vime: training peak {peak} over all ranks ({timing.peak_source})")
     return timing
 
 
-def build_tracker(args: Config, start_rollout: int, closer: Closer) -> Tracker:
+def build_tracker(settings: TrackerSettings, start_rollout: int, closer: Closer) -> Tracker:
     """The run's metrics and console; released with the run's status (a run stopped
     early still writes its summary and plot)."""
     tracker = Tracker(
-        args.output_dir,
-        num_rollouts=args.num_rollout,
+        settings.output_dir,
+        num_rollouts=settings.num_rollouts,
         start_rollout=start_rollout,
-        use_tensorboard=args.use_tensorboard,
-        use_wandb=args.use_wandb,
-        wandb_project=args.wandb_project,
-        config=vars(args),
+        use_tensorboard=settings.use_tensorboard,
+        use_wandb=settings.use_wandb,
+        wandb_project=settings.wandb_project,
+        config=settings.flags,
     )
 
     def finish(status: str) -> None:
