@@ -33,8 +33,7 @@ pytest.importorskip("megatron.core")
 
 from vime.algo.metrics import MetricAccumulator
 from vime.config import parse_args
-from vime.config.settings import loss_settings
-from vime.config.train_settings import train_settings
+from vime.config.train_settings import loss_settings, train_settings
 from vime.data.batch import RolloutBatch, schedule
 
 CUSTOM_LOSS = """

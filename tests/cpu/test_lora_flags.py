@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from vime.config import ConfigError, parse_args
-from vime.config.settings import lora_settings
+from vime.config.train_settings import lora_settings
 from vime.weights.lora import LoraSettings
 
 BASE = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]

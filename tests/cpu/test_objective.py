@@ -29,7 +29,7 @@ from vime.algo import policy_loss
 from vime.algo.correction import RolloutCorrection
 from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
 from vime.config import algo_flags, parse_args
-from vime.config.settings import loss_settings
+from vime.config.train_settings import loss_settings
 
 D = torch.float64
 CUSTOM = f"{__file__}:halved_loss"

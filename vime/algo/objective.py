@@ -39,7 +39,7 @@ from vime.algo.metrics import MetricAccumulator
 @dataclass(frozen=True)
 class LossConfig:
     """The loss settings of a run, built once from the parsed flags by
-    ``vime.config.settings.loss_settings``.
+    ``vime.config.train_settings.loss_settings``.
 
     ``correction`` is the rollout correction (``--use-tis``; None: off); ``norm_len``
     the constant length of ``seq-mean-token-sum-norm`` (Dr. GRPO). ``policy_loss_path``

@@ -3,7 +3,7 @@ the KL and entropy terms, the rollout correction, batching.
 
 Where it fits: ``vime.config.flags`` adds this group to every parser, in its ``GROUPS``
 order; ``vime.config.validate`` calls ``check_algorithm`` (the batching flags are
-checked there, against the data-parallel size) and ``vime.config.settings.loss_settings``
+checked there, against the data-parallel size) and ``vime.config.train_settings.loss_settings``
 turns the flags into ``vime.algo.objective.LossConfig``, whose fields have no
 defaults of their own. The defaults filled in once the flags are parsed are named
 here, once. Choices that mirror ``vime.algo`` are spelled out so that ``--help`` needs

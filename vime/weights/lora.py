@@ -53,7 +53,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 @dataclass(frozen=True)
 class LoraSettings:
     """``--lora-*``: the adapters' shape and how a sync moves them (rank 0 is off); built
-    from the flags by ``vime.config.settings.lora_settings``. Its defaults are the flags'
+    from the flags by ``vime.config.train_settings.lora_settings``. Its defaults are the flags'
     (``vime.config.lora_flags``), so ``LoraSettings()`` is a run without LoRA."""
 
     rank: int = DEFAULT_RANK
