@@ -6,7 +6,9 @@ and how to park tensors in host memory and free the allocator cache for
 ``sleep``/``wake_up``; rollout engines should come here too rather than call
 ``torch.cuda`` directly. On a CPU-only machine every helper is a cheap no-op
 or returns the CPU answer, so the CPU test suite runs the same code paths as
-a GPU job.
+a GPU job. Training moves tensors between host and device through ``to_device``
+and ``to_host`` only: the one place copies are pinned and asynchronous, and the one
+place ``vime.sync_budget`` sees them on a CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 from collections.abc import Iterable
 
 import torch
+
+from vime.sync_budget import host_only, note_transfer
 
 
 def is_cuda(device: torch.device | str | None) -> bool:
@@ -33,6 +37,32 @@ def local_device() -> torch.device:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     return device
+
+
+def pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (a host tensor) in page-locked memory where CUDA exists, so its copy to
+    the device can be asynchronous; the tensor itself elsewhere."""
+    return tensor.pin_memory() if cuda_available() and not tensor.is_pinned() else tensor
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait: pinned and copied
+    ``non_blocking`` (the caching host allocator keeps the pinned block until the copy
+    is done). A tensor already there is returned as is."""
+    if tensor.device == torch.device(device):
+        note_transfer("h2d", blocking=False)
+        return tensor
+    source = pinned(tensor) if tensor.device.type == "cpu" else tensor
+    note_transfer("h2d", blocking=not source.is_pinned())
+    with host_only():  # reported above, once
+        return source.to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` read back to the host: the host waits for the device (a sync)."""
+    note_transfer("d2h", blocking=True)
+    with host_only():  # reported above, once
+        return tensor.cpu()
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -108,9 +108,9 @@ def scenario_train4(actor, args, start):
     passes: list[str] = []
     real = actor.compute_log_probs
 
-    def recording(sched, which):
+    def recording(sched, which, **kw):
         passes.append(which)
-        return real(sched, which)
+        return real(sched, which, **kw)
 
     actor.compute_log_probs = recording
     forwards = [0]

@@ -16,7 +16,12 @@ reported as is.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+
+from vime.device import to_host
+from vime.sync_budget import host_only
 
 Number = float | int | torch.Tensor
 
@@ -38,12 +43,19 @@ class MetricAccumulator:
         self._sums: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
         self._maxes: dict[str, torch.Tensor] = {}  # -inf: nothing measured yet
+        self._on_host = False  # built on the host (``all_reduce``'s): reading it waits for nothing
+        self._device_names: set[str] = set()  # names given a tensor (else host floats only)
 
     def add(self, name: str, total: Number, weight: Number) -> None:
         """S[name] += total, W[name] += weight."""
+        if isinstance(total, torch.Tensor):
+            self._device_names.add(name)
         device = total.device if isinstance(total, torch.Tensor) else None
         total = torch.as_tensor(total, dtype=torch.float64, device=device).detach()
-        weight = torch.as_tensor(weight, dtype=torch.float64, device=total.device).detach()
+        if isinstance(weight, torch.Tensor):
+            weight = weight.detach().to(torch.float64).to(total.device)
+        else:  # filled on the device: a number copied there would be a blocking copy
+            weight = torch.full((), float(weight), dtype=torch.float64, device=total.device)
         if name in self._sums:
             self._sums[name] = self._sums[name] + total.to(self._sums[name].device)
             self._weights[name] = self._weights[name] + weight.to(self._weights[name].device)
@@ -95,7 +107,10 @@ class MetricAccumulator:
     def merge(self, other: MetricAccumulator) -> MetricAccumulator:
         """Add every (S, W) of ``other`` into this one; returns self."""
         for name in other._sums:
+            on_device = name in other._device_names or name in self._device_names
             self.add(name, other._sums[name], other._weights[name])
+            if not on_device:
+                self._device_names.discard(name)
         for name, value in other._maxes.items():
             self._merge_max(name, value)
         return self
@@ -107,6 +122,10 @@ class MetricAccumulator:
     def means(self, empty: float | None = None) -> dict[str, float]:
         """{name: S / W} as Python floats; a name with W == 0 (nothing was measured: every
         mask empty, every step skipped) is left out, or given ``empty`` when that is set."""
+        with host_only() if self._on_host else nullcontext():
+            return self._means(empty)
+
+    def _means(self, empty: float | None) -> dict[str, float]:
         names, packed = self.to_tensor(device="cpu")
         k = len(names)
         sums, weights = packed[:k].tolist(), packed[k:].tolist()
@@ -156,25 +175,43 @@ class MetricAccumulator:
         import torch.distributed as dist
 
         gathered: list[tuple[list[str], list[str]] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (self.names(), sorted(self._maxes)), group=group)
+        # Object collectives run on the group's host backend (gloo beside NCCL): no device.
+        with host_only():
+            dist.all_gather_object(gathered, (self.names(), sorted(self._maxes)), group=group)
         names = sorted({name for part in gathered if part for name in part[0]})
         max_names = sorted({name for part in gathered if part for name in part[1]})
-        device = torch.device("cpu")
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        out = MetricAccumulator()
-        if names:
-            sums = [self._sums.get(n, zero).to(device) for n in names]
-            weights = [self._weights.get(n, zero).to(device) for n in names]
-            packed = torch.stack(sums + weights)
-            dist.all_reduce(packed, group=group)
-            out = MetricAccumulator.from_tensor(names, packed)
-        if max_names:
-            low = torch.tensor(float("-inf"), dtype=torch.float64)
-            tops = torch.stack([self._maxes.get(n, low).to(device) for n in max_names])
-            dist.all_reduce(tops, op=dist.ReduceOp.MAX, group=group)
-            for name, top in zip(max_names, tops, strict=True):
-                out._merge_max(name, top.clone())
+        local = self._stacked(names, max_names)
+        with host_only():  # one read from the device above; host tensors from here on
+            k = 2 * len(names)
+            sums, tops = local[:k].clone(), local[k:].clone()
+            out = MetricAccumulator()
+            if names:
+                dist.all_reduce(sums, group=group)
+                out = MetricAccumulator.from_tensor(names, sums)
+            if max_names:
+                dist.all_reduce(tops, op=dist.ReduceOp.MAX, group=group)
+                for name, top in zip(max_names, tops, strict=True):
+                    out._merge_max(name, top.clone())
+        out._on_host = True
         return out
+
+    def _stacked(self, names: list[str], max_names: list[str]) -> torch.Tensor:
+        """``[S(names)…, W(names)…, M(max_names)…]`` float64 on the host: the values given
+        as tensors (on the device) read back in one copy, those given as Python numbers
+        already on the host; a name this rank lacks is (0, 0) and a maximum -inf."""
+        zero = torch.zeros((), dtype=torch.float64)
+        low = torch.full((), float("-inf"), dtype=torch.float64)
+        parts = [(n, self._sums.get(n, zero)) for n in names]
+        parts += [(n, self._weights.get(n, zero)) for n in names]
+        parts += [(n, self._maxes.get(n, low)) for n in max_names]
+        read = [i for i, (n, _) in enumerate(parts) if n in self._device_names or n in self._maxes]
+        values = [value for _, value in parts]
+        if read:
+            host = to_host(torch.stack([values[i] for i in read]))
+            for j, i in enumerate(read):
+                values[i] = host[j]
+        with host_only():
+            return torch.stack(values) if values else torch.zeros(0, dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, names: list[str], tensor: torch.Tensor) -> MetricAccumulator:

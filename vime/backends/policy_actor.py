@@ -31,7 +31,7 @@ from vime.backends.base import TRAIN_MEMORY_TAGS, TrainActor, TrainSettings, tra
 from vime.backends.interface import SavedState, TrainBackend
 from vime.backends.optim import StepResult, optimizer_step
 from vime.backends.registry import backend_class
-from vime.data.batch import TrainSchedule, pad_rows
+from vime.data.batch import TrainSchedule
 from vime.device import HostStash
 from vime.weights.hf_export import save_hf_folder
 
@@ -137,23 +137,30 @@ class PolicyTrainActor(TrainActor):
             self._exchange(self.ref_shards)
 
     @torch.no_grad()
-    def compute_log_probs(self, schedule: TrainSchedule, which: str) -> PerSample:
+    def compute_log_probs(
+        self, schedule: TrainSchedule, which: str, *, on_host: bool = True
+    ) -> PerSample:
         """This DP rank's response log-probs under ``which`` ("actor" or "ref"), per sample
-        index, at the micro-batch geometry ``train`` uses."""
+        index, at the micro-batch geometry ``train`` uses; read back to the host, or left
+        on the device (``on_host=False``, as ``train`` reads them: each sample's response
+        length comes from the host batch, so then nothing is read back)."""
         if which not in ("actor", "ref"):
             raise ValueError(f"which must be 'actor' or 'ref', got {which!r}")
         self._check_awake("weights")  # a forward: gradients and optimizer state may sleep
         if which == "ref" and not self.settings.loss.use_kl:
             raise ValueError("no reference model: KL loss is off")
+        batch = schedule.batch
         out: PerSample = {}
 
         def record(indices: tuple[int, ...], packed: Any, logp: torch.Tensor, _: Any) -> None:
             for row, i in enumerate(indices):
-                out[i] = logp[row, : int(packed.response_lengths[row])].cpu()
+                out[i] = logp[row, : len(batch.tokens[i]) - batch.prompt_lengths[i]]
 
         with self._as_reference() if which == "ref" else nullcontext():
             for micro_batches in schedule.plan.for_rank(self.dp_rank):
-                self.backend.forward_backward(schedule.batch, micro_batches, record, backward=False)
+                self.backend.forward_backward(batch, micro_batches, record, backward=False)
+        if on_host:
+            return {i: vime_device.to_host(logp) for i, logp in out.items()}
         return out
 
     # ----- train ---------------------------------------------------------------------------
@@ -162,11 +169,14 @@ class PolicyTrainActor(TrainActor):
         """Every optimizer step of one rollout; metrics reduced over micro-batches and ranks."""
         self._check_awake()
         plan = schedule.plan
-        ref = self.compute_log_probs(schedule, "ref") if self.loss_config.use_kl else None
+        use_kl = self.loss_config.use_kl
+        ref = self.compute_log_probs(schedule, "ref", on_host=False) if use_kl else None
         # pi_old is the proximal policy (decoupled PPO): these weights, before the update.
         # One update per rollout: the update's own forward is on exactly them, whatever the
         # samples' age (--max-staleness), so no second pass (ratio == 1). Several: recomputed.
-        old = self.compute_log_probs(schedule, "actor") if plan.num_steps > 1 else None
+        old = (
+            self.compute_log_probs(schedule, "actor", on_host=False) if plan.num_steps > 1 else None
+        )
         metrics = MetricAccumulator()
         skipped = 0
         for step_index in range(plan.num_steps):
@@ -199,17 +209,19 @@ class PolicyTrainActor(TrainActor):
         *,
         ref: PerSample | None = None,
         old: PerSample | None = None,
-    ) -> float:
+    ) -> torch.Tensor:
         """Forward + backward every micro-batch of one optimizer step on this rank.
 
         Leaves the step's full gradient (summed over DP ranks) in ``.grad``; returns
-        this rank's share of the step loss. ``train`` follows it with the optimizer
-        step; tests call it alone to compare gradients.
+        this rank's share of the step loss, a float64 scalar on the device (summed
+        there, in float64 as Python floats would be, so nothing is read back).
+        ``train`` follows it with the optimizer step; tests call it alone to compare
+        gradients.
         """
         batch = schedule.batch
         step = schedule.plan.steps[step_index]
         norm = Normalizers(step.num_tokens, step.num_samples)
-        step_loss = 0.0
+        step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
 
         def loss_of(
             indices: tuple[int, ...], packed: Any, logp: torch.Tensor, entropy: Any
@@ -220,15 +232,17 @@ class PolicyTrainActor(TrainActor):
             loss, micro_metrics = micro_batch_loss(
                 logp,
                 packed.loss_mask,
-                batch.advantages_of(indices).to(self.device),
+                vime_device.to_device(batch.advantages_of(indices), self.device),
                 norm,
                 self.loss_config,
                 old_logp=self._rows(old, indices, width),
                 ref_logp=self._rows(ref, indices, width),
-                rollout_logp=None if rollout_logp is None else rollout_logp.to(self.device),
+                rollout_logp=None
+                if rollout_logp is None
+                else vime_device.to_device(rollout_logp, self.device),
                 entropy=entropy,
             )
-            step_loss += float(loss.detach())
+            step_loss = step_loss + loss.detach().to(torch.float64)
             metrics.merge(micro_metrics)
             return loss
 
@@ -239,10 +253,14 @@ class PolicyTrainActor(TrainActor):
     def _rows(
         self, values: PerSample | None, indices: tuple[int, ...], width: int
     ) -> torch.Tensor | None:
-        """``[B, width]`` of per-sample log-probs, zero-padded, on the device; None passes."""
+        """``[B, width]`` of per-sample log-probs (on the device), zero-padded; None passes."""
         if values is None:
             return None
-        return pad_rows([values[i] for i in indices], width).to(self.device)
+        rows = [values[i] for i in indices]
+        if not rows:
+            return torch.zeros(0, width, dtype=torch.float32, device=self.device)
+        padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        return torch.nn.functional.pad(padded, (0, width - padded.shape[1]))
 
     def _optimizer_step(self, num_samples: int) -> StepResult:
         lr = self.lr_schedule(self.samples_consumed + num_samples)

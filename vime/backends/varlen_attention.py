@@ -15,7 +15,9 @@ attention a sample's real tokens never see the padding after them, and the padde
 positions' outputs are dropped (so their gradient is exactly zero).
 
 ``register_hf`` exposes it to transformers as ``attn_implementation="varlen_sdpa"``,
-with a mask function that builds nothing; the boundaries come from the row's
+and no mask function: transformers then builds no mask and, unlike for a registered
+one, does not scan ``position_ids`` for packing on the device (an ``.all()`` the host
+waits for, every forward). The boundaries come from the row's
 ``position_ids`` by transformers' own rule (a sample starts wherever the position
 does not follow its predecessor), so it is a drop-in for ``sdpa`` on packed rows.
 """
@@ -28,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from vime.device import to_device
 
 HF_NAME = "varlen_sdpa"
 
@@ -83,10 +87,10 @@ def _runs_layout(
         # Padded slots read the sample's own first token: any in-row index would do.
         index = torch.where(real, index, index[:, :1])
         owned = (real & (steps >= s)).flatten().nonzero().flatten()
-        buckets.append((index.to(device), owned.to(device)))
+        buckets.append((to_device(index, device), to_device(owned, device)))
         positions.append(index.flatten()[owned])
     order = torch.argsort(torch.cat(positions))
-    return RowLayout(int(lengths.sum()), tuple(buckets), order.to(device))
+    return RowLayout(int(lengths.sum()), tuple(buckets), to_device(order, device))
 
 
 def packed_causal_attention(
@@ -133,11 +137,15 @@ def packed_causal_attention(
     return torch.cat(parts).index_select(0, layout.order)
 
 
-def layout_of_positions(position_ids: torch.Tensor) -> RowLayout:
+def layout_of_positions(
+    position_ids: torch.Tensor, device: torch.device | str | None = None
+) -> RowLayout:
     """The layout of a ``[1, L]`` row from its positions, by transformers' packed rule
     (a sample starts where the position does not follow the previous one) extended to
     shared prompts (``vime.data.micro_batch``): a run that starts at position s > 0
-    continues the latest run that started at 0, whose first s tokens it attends to."""
+    continues the latest run that started at 0, whose first s tokens it attends to.
+    The layout's tensors go to ``device`` (``position_ids``'s by default): from host
+    positions, a packer builds a device row's layout without reading the device."""
     if position_ids.dim() != 2 or position_ids.shape[0] != 1:
         raise ValueError(
             f"{HF_NAME} attention takes one packed row ([1, L] position_ids), got "
@@ -159,14 +167,20 @@ def layout_of_positions(position_ids: torch.Tensor) -> RowLayout:
             f"{HF_NAME}: a run of the packed row starts at a position past the end of the "
             "run it continues; a shared prompt comes first, at positions 0.."
         )
-    return _runs_layout(starts, lengths, prefix, starts[roots], position_ids.device)
+    target = position_ids.device if device is None else device
+    return _runs_layout(starts, lengths, prefix, starts[roots], target)
+
+
+# The attribute of a row's boundary tensor that holds the layout a packer attached.
+_ATTACHED = "_vime_row_layout"
 
 
 class _LayoutCache:
     """The last row's layout. Every layer of one forward gets the same boundary tensor
     (``position_ids`` in transformers, ``cu_seqlens`` in megatron-core), so the layout is
     built once per forward, not once per layer; a new tensor, or an in-place change
-    to this one, builds it again."""
+    to this one, builds it again. A layout a packer attached to the tensor
+    (``attach_layout``) is used as it is."""
 
     def __init__(self) -> None:
         self._key: tuple[torch.Tensor, int] | None = None
@@ -175,6 +189,9 @@ class _LayoutCache:
     def get(
         self, boundaries: torch.Tensor, layout_of: Callable[[torch.Tensor], RowLayout]
     ) -> RowLayout:
+        attached = getattr(boundaries, _ATTACHED, None)
+        if attached is not None and attached[0] == boundaries._version:
+            return attached[1]
         key = self._key
         if key is None or key[0] is not boundaries or key[1] != boundaries._version:
             self._layout = layout_of(boundaries)
@@ -184,6 +201,14 @@ class _LayoutCache:
 
 
 _CACHE = _LayoutCache()
+
+
+def attach_layout(boundaries: torch.Tensor, layout: RowLayout) -> None:
+    """Hand the attention the layout of the row ``boundaries`` (its ``position_ids`` or
+    ``cu_seqlens`` tensor, as the model will pass it), computed by the packer from the
+    host copy, so the forward reads nothing back from the device. It holds while the
+    tensor is unchanged; it goes with the tensor, so several rows may be packed ahead."""
+    setattr(boundaries, _ATTACHED, (boundaries._version, layout))
 
 
 def layout_of_cu_seqlens(cu_seqlens: torch.Tensor) -> RowLayout:
@@ -215,15 +240,9 @@ def _hf_attention(
     return out.unsqueeze(0), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def register_hf() -> str:
     """Make ``attn_implementation="varlen_sdpa"`` available to transformers; returns the name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(HF_NAME, _hf_attention)
-    AttentionMaskInterface.register(HF_NAME, _no_mask)
     return HF_NAME

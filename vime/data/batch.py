@@ -15,6 +15,7 @@ import torch
 
 from vime.data.micro_batch import PackedBatch, pack_micro_batch
 from vime.data.packing import RolloutPlan, plan_rollout
+from vime.sync_budget import host_only
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,13 @@ class RolloutBatch:
 
 
 def pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int) -> torch.Tensor:
-    """Per-sample 1-D values as a float32 ``[len(rows), width]`` tensor, right zero-padded."""
+    """Per-sample 1-D host values as a float32 ``[len(rows), width]`` host tensor, right
+    zero-padded."""
+    with host_only():  # host lists or host tensors in, a host tensor out
+        return _pad_rows(rows, width)
+
+
+def _pad_rows(rows: Sequence[Sequence[float] | torch.Tensor], width: int) -> torch.Tensor:
     out = torch.zeros(len(rows), width, dtype=torch.float32)
     if not rows:
         return out

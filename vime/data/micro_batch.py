@@ -39,11 +39,13 @@ the rule can forward a shared row (the fsdp2 backend's ``varlen_sdpa``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from vime.algo.entropy import entropy_from_logits
+from vime.device import to_device
+from vime.sync_budget import host_only
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,13 @@ class PackedBatch:
     # (they are adjacent unless the row shares prompts).
     response_starts: torch.Tensor  # [B] long
     prompt_ends: torch.Tensor  # [B] long
+    # The loss positions (sample, response step) where loss_mask is 1, found on the host
+    # when packing so no device op has to size its output by the mask.
+    loss_samples: torch.Tensor | None = None  # [N] long
+    loss_steps: torch.Tensor | None = None  # [N] long
+    # run_cu_seqlens() made on the host when packing an unshared row (int32), so an
+    # attention that takes cu_seqlens gets them without a device op
+    attention_cu_seqlens: torch.Tensor | None = None
     shares_prompts: bool = False  # some prompt serves several samples (module docstring)
 
     @property
@@ -91,6 +100,8 @@ class PackedBatch:
                 "a row with shared prompts has no per-sample runs; pack it with "
                 "share_prompts=False for an attention that takes cu_seqlens"
             )
+        if self.attention_cu_seqlens is not None:
+            return self.attention_cu_seqlens
         if self.pad_length == 0:
             return self.cu_seqlens
         end = self.cu_seqlens.new_tensor([self.row_length])
@@ -110,9 +121,19 @@ class PackedBatch:
         """
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
 
+    def loss_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sample, step) of every loss position, in row-major order (``loss_mask``'s
+        ``nonzero``, read from the fields packing filled in where it did)."""
+        if self.loss_samples is None or self.loss_steps is None:
+            sample, step = self.loss_mask.nonzero(as_tuple=True)
+            return sample, step
+        return self.loss_samples, self.loss_steps
+
     def to(self, device: torch.device | str) -> PackedBatch:
+        """Every tensor on ``device``, each copied without the host waiting
+        (``vime.device.to_device``)."""
         moved = {
-            f.name: getattr(self, f.name).to(device)
+            f.name: to_device(getattr(self, f.name), device)
             if isinstance(getattr(self, f.name), torch.Tensor)
             else getattr(self, f.name)
             for f in fields(self)
@@ -135,8 +156,20 @@ def pack_micro_batch(
     With ``share_prompts`` samples whose prompts are equal share one copy of it
     (module docstring); the ``[B, ...]`` fields keep the order of ``token_ids``.
     """
+    with host_only():  # Python lists into host tensors: no device is involved
+        return _pack(token_ids, prompt_lengths, loss_masks, pad_to_multiple_of, share_prompts)
+
+
+def _pack(
+    token_ids: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    loss_masks: Sequence[Sequence[int]] | None,
+    pad_to_multiple_of: int,
+    share_prompts: bool,
+) -> PackedBatch:
     lengths, responses = _checked_lengths(token_ids, prompt_lengths, loss_masks, pad_to_multiple_of)
     loss_mask = _loss_mask(responses, loss_masks)
+    loss_samples, loss_steps = loss_mask.nonzero(as_tuple=True)
     runs, prompt_ends, response_starts = _row_runs(
         token_ids, prompt_lengths, lengths, responses, share_prompts
     )
@@ -147,7 +180,7 @@ def pack_micro_batch(
     input_ids, position_ids = _row_tensors(token_ids, runs, used, row)
     cu_seqlens = torch.zeros(len(token_ids) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
-    return PackedBatch(
+    packed = PackedBatch(
         input_ids=input_ids.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
         cu_seqlens=cu_seqlens,
@@ -158,8 +191,13 @@ def pack_micro_batch(
         pad_length=row - used,
         response_starts=torch.tensor(response_starts, dtype=torch.long),
         prompt_ends=torch.tensor(prompt_ends, dtype=torch.long),
+        loss_samples=loss_samples,
+        loss_steps=loss_steps,
         shares_prompts=any(first > 0 for _, first, _ in runs),
     )
+    if packed.shares_prompts:
+        return packed
+    return replace(packed, attention_cu_seqlens=packed.run_cu_seqlens())
 
 
 def _checked_lengths(
@@ -310,7 +348,7 @@ def response_log_probs(
         raise ValueError(
             f"logits {tuple(logits.shape)} do not match a packed row of {batch.row_length} tokens"
         )
-    sample, step = batch.loss_mask.nonzero(as_tuple=True)  # [N] each
+    sample, step = batch.loss_positions()  # [N] each
     token_pos = batch.response_starts[sample] + step
     # Causal LM: the token at position p is predicted by the logits at p - 1; the first
     # response token by the prompt's last token (elsewhere in the row when shared).

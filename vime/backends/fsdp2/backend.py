@@ -46,6 +46,7 @@ from vime.backends.interface import (
     run_in_order,
 )
 from vime.backends.optim import adamw
+from vime.sync_budget import host_only
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 from vime.weights.hf_files import LazyHFState
 from vime.weights.lora import LoraSettings, merge, write_peft_folder
@@ -125,13 +126,22 @@ class FSDP2Backend(TrainBackend):
             micro_batches,
             consume,
             backward=backward,
-            pack=lambda indices: batch.pack(indices, share_prompts=self.shares_prompts).to(
-                self.device
-            ),
+            pack=lambda indices: self._pack(batch, indices),
             logits=lambda packed: self.model(**packed.model_inputs()).logits,
             temperature=self.settings.temperature,
             before_backward=self._before_backward,
         )
+
+    def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
+        """The packed row on the device; for ``varlen_sdpa``, its attention layout too,
+        built from the host row (the attention then reads nothing back)."""
+        host = batch.pack(indices, share_prompts=self.shares_prompts)
+        packed = host.to(self.device)
+        if getattr(self.model.config, "_attn_implementation", None) == varlen_attention.HF_NAME:
+            with host_only():
+                layout = varlen_attention.layout_of_positions(host.position_ids, self.device)
+            varlen_attention.attach_layout(packed.position_ids, layout)
+        return packed
 
     def local_tensors(self) -> list[torch.Tensor]:
         return [_local(p) for p in self.params]

@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from vime import device as vime_device
+from vime.backends import varlen_attention
 from vime.backends.base import TrainSettings
 from vime.backends.collectives import all_reduce_sum
 from vime.backends.interface import (
@@ -87,6 +88,7 @@ from vime.backends.megatron.stage_model import load_stage_model
 from vime.backends.megatron.vocab_parallel import VocabShard
 from vime.backends.optim import adamw
 from vime.data.micro_batch import full_vocab_token_stats, response_log_probs
+from vime.sync_budget import host_only
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 
 
@@ -240,7 +242,16 @@ class MegatronBackend(TrainBackend):
         return self.vocab_shard.token_stats if self.tp > 1 else full_vocab_token_stats
 
     def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
-        return batch.pack(indices, pad_to_multiple_of=self.row_multiple).to(self.device)
+        """The packed row on the device; for the local layers' attention, its layout too,
+        built from the host row's ``cu_seqlens`` (the forward then reads nothing back)."""
+        host = batch.pack(indices, pad_to_multiple_of=self.row_multiple)
+        packed = host.to(self.device)
+        if self.transformer_impl == "local":
+            with host_only():
+                runs = torch.diff(host.run_cu_seqlens()).tolist()
+                layout = varlen_attention.row_layout(runs, self.device)
+            varlen_attention.attach_layout(packed.run_cu_seqlens(), layout)
+        return packed
 
     def forward_backward(
         self,

@@ -8,10 +8,10 @@ backend (under tensor parallelism each rank's vocabulary shard, reduced by
 ``vocab_parallel``; ``packed_logits`` gathers the full vocabulary, for tests).
 
 Packed rows go in megatron-core's THD format: ``PackedSeqParams`` whose ``cu_seqlens``
-cover every position run of the row, so RoPE restarts per run and attention stays
-within it. The older form -- one sequence under a block-diagonal causal mask
-(``block_causal_mask``), RoPE following ``position_ids`` -- is what tests check THD
-against.
+cover every position run of the row, so RoPE restarts per run (per-token angles,
+``rope.py``) and attention stays within it. The older form -- one sequence under a
+block-diagonal causal mask (``block_causal_mask``), RoPE following ``position_ids`` --
+is what tests check THD against.
 
 Layers (``--megatron-transformer-impl``, ``build_gpt_model``): ``local`` (the default,
 the only one on the CPU) is megatron-core's local spec with torch's RMSNorm and
@@ -47,6 +47,7 @@ from megatron.core.transformer.transformer_block import (
 
 from vime import device as vime_device
 from vime.backends import varlen_attention
+from vime.backends.megatron import rope
 from vime.backends.megatron.convert import gpt_extra
 from vime.backends.megatron.flags import TRANSFORMER_IMPLS, transformer_engine_missing
 from vime.backends.megatron.shims import apply_cpu_shims
@@ -184,13 +185,15 @@ class PackedRowGPTModel(GPTModel):
             padding_mask=padding_mask,
         )
         rotary = out[1]
-        # THD rows (RoPE restarted per run from cu_seqlens) and inference position themselves.
-        if rotary is None or position_ids is None or packed_seq_params is not None:
-            return out
-        if inference_context is not None:
-            return out
-        # rotary: [S, 1, 1, D] for positions 0..S-1 -> [S, B, 1, D] at each token's position.
+        if rotary is None or position_ids is None or inference_context is not None:
+            return out  # inference positions itself
+        thd = packed_seq_params is not None
+        if thd and (self.config.apply_rope_fusion or self.config.context_parallel_size > 1):
+            return out  # TE's fused THD RoPE restarts per run from cu_seqlens on the device
+        # [S, 1, 1, D] for positions 0..S-1 -> [S, B, 1, D] at each token's position; on a
+        # THD row marked so the unfused RoPE takes it whole (rope.py: no cu_seqlens read).
         rotary = rotary[:, 0][position_ids.transpose(0, 1)]
+        rotary = rope.per_token(rotary) if thd else rotary
         return (out[0], rotary, *out[2:])
 
 
@@ -350,10 +353,8 @@ def recompute_fields(granularity: str) -> dict[str, Any]:
 def kernel_fields(transformer_impl: str) -> dict[str, Any]:
     """``TransformerConfig`` fields of the fused kernels ``transformer_impl`` brings.
 
-    TE's layers: TE's fused RoPE, which takes a THD row whole through its
-    ``cu_seqlens`` (unfused, megatron-core applies RoPE sample by sample, a Python loop
-    over the row's samples in every attention layer). The local layers run without TE
-    and keep megatron-core's unfused defaults."""
+    TE's layers: TE's fused RoPE, taking a THD row whole through its ``cu_seqlens``. The
+    local layers keep the unfused RoPE, fed per-token angles (``rope.py``)."""
     fuses_norms(transformer_impl)  # an unknown impl fails here
     if transformer_impl == "transformer_engine":
         return {"apply_rope_fusion": True}
