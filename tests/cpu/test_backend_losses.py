@@ -186,7 +186,7 @@ def _step(actor, sched, step_index: int, old) -> dict:
 
     ref = actor.compute_log_probs(sched, "ref") if actor.loss_config.use_kl else None
     metrics = MetricAccumulator()
-    loss = torch.tensor(actor.backward_step(sched, step_index, metrics, ref=ref, old=old))
+    loss = actor.backward_step(sched, step_index, metrics, ref=ref, old=old).float()
     dist.all_reduce(loss)
     return {
         "loss": float(loss),

@@ -144,7 +144,7 @@ def scenario_align(actor, args, start):
     all_ref = _all_log_probs(actor, sched, "ref")
     all_old = _all_log_probs(actor, sched, "actor")
     metrics = MetricAccumulator()
-    loss = torch.tensor(actor.backward_step(sched, 0, metrics, ref=ref, old=old))
+    loss = actor.backward_step(sched, 0, metrics, ref=ref, old=old).float()
     # Sum the DP shares once (every TP rank of a DP group holds the same share).
     loss /= getattr(actor.backend, "tp", 1)
     dist.all_reduce(loss)

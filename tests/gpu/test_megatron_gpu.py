@@ -144,7 +144,7 @@ def _step0(actor, *, update: bool = False) -> dict:
     sched = _schedule()
     logp = actor.compute_log_probs(sched, "actor")
     metrics = MetricAccumulator()
-    loss = actor.backward_step(sched, 0, metrics, old=logp)
+    loss = float(actor.backward_step(sched, 0, metrics, old=logp))
     norm = float(actor.backend.grad_norm())
     result = {"logp": logp, "loss": loss, "grad_norm": norm}
     if update:
@@ -246,7 +246,7 @@ def _distributed_step(actor) -> dict:
 
     sched = _schedule()
     logp = actor.compute_log_probs(sched, "actor")
-    loss = actor.backward_step(sched, 0, MetricAccumulator(), old=logp)
+    loss = float(actor.backward_step(sched, 0, MetricAccumulator(), old=logp))
     result = actor._optimizer_step(8)
     before = [p.detach().clone() for p in actor.backend.params]
     torch.cuda.synchronize()

@@ -85,9 +85,9 @@ class TrainWorker:
         # them), with no hook in the backend.
         passes = self.actor.compute_log_probs
 
-        def log_probs(schedule: Any, which: str) -> Any:
+        def log_probs(schedule: Any, which: str, **options: Any) -> Any:
             with profiling.span("log_probs", which=which):
-                return passes(schedule, which)
+                return passes(schedule, which, **options)
 
         self.actor.compute_log_probs = log_probs
         profiling.enable()
