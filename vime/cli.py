@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -54,6 +55,23 @@ def _notes(config: Config) -> list[str]:
             "behaviour weight (pi_prox / pi_behav)"
         )
     return notes
+
+
+# Ctrl-C while starting, remembered: one that lands in an at-fork handler (Ray spawns its
+# processes with a preexec_fn) is printed as "Exception ignored" and lost, and the run
+# would go on as if it had not been pressed.
+_INTERRUPTED = threading.Event()
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    _INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
+def _raise_if_interrupted() -> None:
+    """Raise the Ctrl-C pressed while starting, if its exception was swallowed."""
+    if _INTERRUPTED.is_set():
+        raise KeyboardInterrupt
 
 
 def _stopped(how: str, config: Config) -> str:
@@ -109,6 +127,7 @@ def _start_ray_importing_the_trainer(config: Config, startup: Any) -> Callable[.
         startup.add("ray", time.time() - started)
     finally:
         loader.join()  # no exit, even a failed one, while a module is half imported
+    _raise_if_interrupted()
     startup.add("imports", took[0])
     startup.together("ray", "imports")
     from vime.trainer import run
@@ -152,6 +171,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if config.dry_run:
         return 0
     local_ray_on_loopback(config)
+    if threading.current_thread() is threading.main_thread():
+        _INTERRUPTED.clear()
+        signal.signal(signal.SIGINT, _on_sigint)
     from vime.perf import StartupClock, process_start_time
     from vime.ray.errors import ActorFailure, Terminated
     from vime.tracking import default_output_dir

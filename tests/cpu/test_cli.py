@@ -379,3 +379,39 @@ def test_custom_hooks_are_checked_at_start_up(tmp_path) -> None:
         "--custom-loss-function-path",
         "no_such_module",
     )
+
+
+def test_ctrl_c_swallowed_while_ray_starts_still_stops_the_run(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C whose exception is lost while Ray starts (one landing in an at-fork
+    handler is printed as "Exception ignored") still stops the run before it trains:
+    exit 130, the one line, no output folder."""
+    import os
+    import signal
+    import time
+
+    import vime.trainer
+    from vime import cli
+    from vime.ray import cluster
+
+    def start_ray_swallowing(address, min_cpus) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass  # what Python does with an exception raised in an at-fork handler
+
+    def never(*args, **kwargs):
+        raise AssertionError("the run went on after Ctrl-C")
+
+    monkeypatch.setattr(cluster, "start_ray", start_ray_swallowing)
+    monkeypatch.setattr(vime.trainer, "run", never)
+    before = signal.getsignal(signal.SIGINT)
+    out = tmp_path / "out"
+    try:
+        status = cli.main(["--rollout-engine", "hf", "--output-dir", str(out)])
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert status == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "vime-train: interrupted while starting; nothing was kept", last
+    assert not out.exists()
