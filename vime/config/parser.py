@@ -22,6 +22,7 @@ from vime.config.flags import (
     add_common_flags,
     apply_embedded_eval_defaults,
     apply_embedded_task_defaults,
+    apply_gym_eval_default,
 )
 from vime.config.validate import validate
 from vime.errors import ConfigError
@@ -164,6 +165,7 @@ def parse_args(argv: Sequence[str], *, for_run: bool = False) -> Config:
     namespace, unknown = parser.parse_known_args(argv, namespace=Config())
     if unknown:
         raise ConfigError(_explain_unknown(unknown, backend, parser))
+    apply_gym_eval_default(namespace)
     if embedded:
         apply_embedded_eval_defaults(namespace)
         apply_embedded_task_defaults(namespace, parser, argv)

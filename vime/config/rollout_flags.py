@@ -94,7 +94,8 @@ def _rewards(p: argparse._ArgumentGroup) -> None:
         choices=RM_TYPES,
         default=None,
         help="built-in reward: math (final answer, checked by math-verify: the agents "
-        "extra), exact (string match), or the built-in task's own (default for builtin: data)",
+        "extra), exact (string match), or the task's own (default for builtin: and "
+        "reasoning-gym: data)",
     )
     p.add_argument(
         "--custom-rm-path",

@@ -15,6 +15,7 @@ import math
 import urllib.parse
 
 from vime.config.flags import BUILTIN_DATA_PREFIX
+from vime.data.reasoning_gym import is_gym_spec
 from vime.errors import ConfigError
 from vime.rollout.rewards import RewardSettings, load_custom_reward, reward_source
 from vime.rollout.settings import (
@@ -54,7 +55,8 @@ def rollout_settings(args: argparse.Namespace) -> RolloutSettings:
 
 
 def reward_settings(args: argparse.Namespace) -> RewardSettings:
-    # No --prompt-data means the embedded built-in task, which brings its reward.
+    # No --prompt-data means the embedded built-in task, which brings its reward; so
+    # does a reasoning-gym task (its dataset's score_answer).
     data = args.prompt_data
     return RewardSettings(
         rm_type=args.rm_type,
@@ -63,7 +65,7 @@ def reward_settings(args: argparse.Namespace) -> RewardSettings:
         group=args.group_rm,
         timeout_s=args.rm_timeout,
         max_retries=args.rm_max_retries,
-        task_data=data is None or data.startswith(BUILTIN_DATA_PREFIX),
+        task_data=data is None or data.startswith(BUILTIN_DATA_PREFIX) or is_gym_spec(data),
     )
 
 

@@ -21,6 +21,7 @@ from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.config.lora_flags import check_lora
 from vime.config.model_args import check_model_args_against_checkpoint
 from vime.config.rollout_flags import DEFAULT_OVER_SAMPLING_FACTOR
+from vime.data.reasoning_gym import is_gym_spec
 from vime.errors import ConfigError
 from vime.rollout.engines import registry as engine_registry
 from vime.rollout.tools import parsers as tool_parsers
@@ -65,9 +66,13 @@ def _check_paths(args: argparse.Namespace) -> None:
         ("--prompt-data", args.prompt_data),
         ("--eval-prompt-data", args.eval_prompt_data),
     ):
-        is_file_path = path is not None and not path.startswith(BUILTIN_DATA_PREFIX)
+        is_file_path = (
+            path is not None and not path.startswith(BUILTIN_DATA_PREFIX) and not is_gym_spec(path)
+        )
         if is_file_path and not os.path.isfile(path):
-            raise ConfigError(f"{flag} {path}: no such file (or use builtin:<task>)")
+            raise ConfigError(
+                f"{flag} {path}: no such file (or use builtin:<task> or reasoning-gym:<task>)"
+            )
     # --load may name the --save folder before its first checkpoint exists (auto-resume).
     if args.load is not None and not os.path.isdir(args.load) and args.load != args.save:
         raise ConfigError(f"--load {args.load}: no such directory")
@@ -84,7 +89,7 @@ def _check_data(args: argparse.Namespace) -> None:
             raise ConfigError(
                 f"--eval-prompt-data {args.eval_prompt_data} is another task than --prompt-data "
                 f"{args.prompt_data} (eval is scored with the training task's reward); use "
-                f"{BUILTIN_DATA_PREFIX}{train_task}:eval"
+                f"{_eval_of(args.prompt_data, train_task)}"
             )
     elif args.eval_interval is not None:
         raise ConfigError(
@@ -94,15 +99,32 @@ def _check_data(args: argparse.Namespace) -> None:
 
 
 def _check_builtin(flag: str, spec: str) -> str | None:
-    """The task of a ``builtin:<task>[:eval]`` spec (None for a file), checked now so that
-    a typo fails before any process starts."""
+    """The task of a ``builtin:<task>[:eval]`` or ``reasoning-gym:<task>...`` spec (None
+    for a file; a reasoning-gym task's name keeps its prefix), checked now so that a typo
+    fails before any process starts (reasoning-gym is imported for it)."""
     from vime.data.prompts import parse_builtin_spec  # deferred: --help does without it
 
+    if is_gym_spec(spec):
+        from vime.data.reasoning_gym import PREFIX, check_spec
+
+        try:
+            return PREFIX + check_spec(spec).task
+        except ConfigError as err:
+            raise ConfigError(f"{flag} {err}") from None
     try:
         parsed = parse_builtin_spec(spec)
     except ConfigError as err:
         raise ConfigError(f"{flag} {spec}: {err}") from None
     return parsed[0].name if parsed else None
+
+
+def _eval_of(train_spec: str, train_task: str) -> str:
+    """The eval spec that goes with training on ``train_spec`` (task ``train_task``)."""
+    if is_gym_spec(train_spec):
+        from vime.data.reasoning_gym import parse_spec
+
+        return parse_spec(train_spec).eval_spec()
+    return f"{BUILTIN_DATA_PREFIX}{train_task}:eval"
 
 
 def rollout_device_count(args: Any) -> int:

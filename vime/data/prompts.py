@@ -1,10 +1,11 @@
 """Prompt datasets: loading rows, turning them into token ids, and the training order.
 
 Where it fits: the rollout side loads ``--prompt-data`` / ``--eval-prompt-data``
-with ``load_prompts`` (a ``.jsonl`` or ``.parquet`` file, or ``builtin:<task>``
-from ``vime.data.tasks``), renders each prompt with ``render_prompt``, drops the
-over-long ones with ``filter_prompt_lengths`` (``--rollout-max-prompt-len``, counted
-after templating), and draws each rollout's prompts from a ``PromptSource``. The
+with ``load_prompts`` (a ``.jsonl`` or ``.parquet`` file, ``builtin:<task>``
+from ``vime.data.tasks``, or ``reasoning-gym:<task>`` from ``vime.data.reasoning_gym``),
+renders each prompt with ``render_prompt``, drops the over-long ones with
+``filter_prompt_lengths`` (``--rollout-max-prompt-len``, counted after templating),
+and draws each rollout's prompts from a ``PromptSource``. The
 source's position is part of a checkpoint, so a resumed run sees exactly the
 prompts the uninterrupted run would have seen.
 
@@ -19,16 +20,18 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vime.data.reasoning_gym import PREFIX as GYM_PREFIX
+from vime.data.reasoning_gym import load_gym_prompts
 from vime.data.tasks import SPLITS, Task, get_task
 from vime.errors import ConfigError
 
 BUILTIN_PREFIX = "builtin:"
-SUPPORTED = ".jsonl, .parquet or builtin:<task>[:eval]"
+SUPPORTED = ".jsonl, .parquet, builtin:<task>[:eval] or reasoning-gym:<task>[:eval][?size=N&seed=S]"
 
 
 @dataclass(frozen=True)
@@ -62,20 +65,24 @@ def load_prompts(
     seed: int = 1234,
     require_label: bool = False,
     apply_chat_template: bool = False,
+    say: Callable[[str], None] = print,
 ) -> list[Prompt]:
     """Load every prompt of ``spec``; ConfigError with file and line for bad data.
 
     ``spec`` is a ``.jsonl`` file (one JSON object per line, blank lines skipped),
     a ``.parquet`` file (one row per prompt), ``builtin:<task>`` (the task's train
-    split) or ``builtin:<task>:eval``. The metadata field is optional; so is the
-    label, unless ``require_label`` (the reward compares with it, see
-    ``vime.rollout.rewards.reward_needs_label``): then a row without one, or with
-    a null one, is an error. ``seed`` only orders a built-in task's rows. An input
-    that is a list of chat messages needs ``apply_chat_template``
-    (``--apply-chat-template``); a malformed list is an error either way.
+    split), ``builtin:<task>:eval``, or a reasoning-gym split (``vime.data.reasoning_gym``). The
+    metadata field is optional; so is the label, unless ``require_label`` (the reward
+    compares with it, see ``vime.rollout.rewards.reward_needs_label``): then a row
+    without one, or with a null one, is an error. ``seed`` only orders a built-in or
+    reasoning-gym task's rows. An input that is a list of chat messages needs
+    ``apply_chat_template`` (``--apply-chat-template``); a malformed list is an error
+    either way. ``say`` gets a line about rows dropped from a reasoning-gym eval split.
     """
     if spec.startswith(BUILTIN_PREFIX):
         return _load_builtin(spec, seed)
+    if spec.startswith(GYM_PREFIX):
+        return _load_gym(spec, seed, say)
     path = Path(spec)
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".parquet"):
@@ -128,6 +135,16 @@ def _load_builtin(spec: str, seed: int) -> list[Prompt]:
     return [
         Prompt(text=row["prompt"], label=row["label"], metadata={"task": task.name}, index=i)
         for i, row in enumerate(rows)
+    ]
+
+
+def _load_gym(spec: str, seed: int, say: Callable[[str], None]) -> list[Prompt]:
+    rows, dropped = load_gym_prompts(spec, seed)
+    if dropped:
+        say(f"vime: {spec}: dropped {dropped} eval rows whose question is a train question")
+    task = {"task": spec.split("?", 1)[0]}
+    return [
+        Prompt(text=q, label=ref, metadata=dict(task), index=i) for i, (q, ref) in enumerate(rows)
     ]
 
 

@@ -26,8 +26,9 @@ precedence:
     around it (think tags, the last box, GSM8K labels: ``vime.rollout.math_answer``);
     without math-verify installed (``pip install -e '.[agents]'``) it is refused at
     start-up rather than scored by other rules.
-``--rm-type builtin`` (the default for ``builtin:<task>`` prompt data)
-    The built-in task's own ``reward(response, label)``, passed in by the caller.
+``--rm-type builtin`` (the default for ``builtin:<task>`` and ``reasoning-gym:<task>`` data)
+    The task's own ``reward(response, label)``, passed in by the caller (a reasoning-gym
+    task's is its dataset's ``score_answer``: ``vime.data.reasoning_gym``).
 
 The rule-based rewards (math, exact, builtin) compare against the prompt's
 label: :func:`reward_needs_label` tells the prompt loader to refuse rows
@@ -99,7 +100,8 @@ class RewardError(Exception):
 class RewardSettings:
     """The reward the flags pick (``--rm-*``, ``--custom-rm-path``, ``--group-rm``).
 
-    ``task_data``: the prompts are a built-in task's, which brings its own reward.
+    ``task_data``: the prompts are a built-in or reasoning-gym task's, which brings its
+    own reward.
     """
 
     rm_type: str | None
@@ -148,7 +150,8 @@ def reward_source(settings: RewardSettings, has_task_reward: bool) -> str:
     if rm_type == "builtin":
         raise ConfigError(
             "--rm-type builtin scores with a built-in task's reward and needs --prompt-data "
-            "builtin:<task>; for file data pass --rm-type math|exact, --custom-rm-path or --rm-url"
+            "builtin:<task> or reasoning-gym:<task>; for file data pass --rm-type math|exact, "
+            "--custom-rm-path or --rm-url"
         )
     raise ConfigError(
         "no reward function for this data: pass --rm-type math|exact, "

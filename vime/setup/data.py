@@ -21,6 +21,7 @@ from vime.data.prompts import (
     load_prompts,
     render_prompt,
 )
+from vime.data.reasoning_gym import gym_task, is_gym_spec
 from vime.rollout.rewards import build_reward_scorer
 from vime.rollout.settings import AgentSettings
 from vime.rollout.tools.loop import check_tool_format
@@ -40,7 +41,7 @@ def build_model(
     checkpoint = settings.hf_checkpoint or _embedded_checkpoint(settings.output_dir, settings.seed)
     console.say(f"vime: model {checkpoint}")
     tokenizer = _tokenizer(checkpoint, embedded=embedded)
-    task = _task(builtin_task_of(settings.prompt_data or ""))
+    task = _task(settings.prompt_data)
     # Multi-turn rollouts: the tools, shown to the model in its prompts, and read from
     # its turns by --tool-parser, whose fit to the tokenizer is known only now.
     toolbox = None
@@ -95,6 +96,7 @@ def _token_prompts(
         seed=settings.seed,
         require_label=settings.require_label,
         apply_chat_template=settings.apply_chat_template,
+        say=console.say,
     )
     tools = model.toolbox.schemas if model.toolbox else None
     template = settings.apply_chat_template
@@ -130,7 +132,12 @@ def _tokenizer(checkpoint_dir: str, *, embedded: bool) -> Any:
     return AutoTokenizer.from_pretrained(checkpoint_dir)
 
 
-def _task(name: str | None) -> Any:
+def _task(spec: str | None) -> Any:
+    """The task whose reward scores ``spec``'s prompts: a built-in task, a reasoning-gym
+    task, or None for a file."""
+    if is_gym_spec(spec):
+        return gym_task(spec)
+    name = builtin_task_of(spec or "")
     if name is None:
         return None
     from vime.data.tasks import get_task
