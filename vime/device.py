@@ -2,17 +2,19 @@
 
 Where it fits: the fsdp2 backend asks this module which device a rank uses,
 which process-group backend goes with it, whether flash-attention is usable,
-and how to park tensors in host memory and free the allocator cache for
-``sleep``/``wake_up``; rollout engines should come here too rather than call
-``torch.cuda`` directly. On a CPU-only machine every helper is a cheap no-op
-or returns the CPU answer, so the CPU test suite runs the same code paths as
-a GPU job. Training moves tensors between host and device through ``to_device``
-and ``to_host`` only: the one place copies are pinned and asynchronous, and the one
-place ``vime.sync_budget`` sees them on a CPU.
+which varlen attention kernels are installed, and how to park tensors in host
+memory and free the allocator cache for ``sleep``/``wake_up``; rollout engines
+should come here too rather than call ``torch.cuda`` directly. On a CPU-only
+machine every helper is a cheap no-op or returns the CPU answer, so the CPU test
+suite runs the same code paths as a GPU job. Training moves tensors between host
+and device through ``to_device`` and ``to_host`` only: the one place copies are
+pinned and asynchronous, and the one place ``vime.sync_budget`` sees them on a CPU.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Iterable
 
@@ -115,6 +117,30 @@ def has_flash_attn() -> bool:
     from transformers.utils import is_flash_attn_2_available
 
     return is_flash_attn_2_available()
+
+
+@functools.cache
+def attention_kernels() -> frozenset[str]:
+    """The varlen attention kernels installed here, by the names
+    ``vime.backends.varlen_attention.choose_kernel`` reads: ``torch_varlen`` (torch's
+    ``torch.nn.attention.varlen.varlen_attn``, taking a ``scale``) and ``flash_attn``
+    (the flash-attn package's ``flash_attn_varlen_func``). Whether they can run here
+    (CUDA, a 16-bit dtype) is the chooser's question, not this one's."""
+    found = set()
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        if "scale" in inspect.signature(varlen_attn).parameters:
+            found.add("torch_varlen")
+    except ImportError:
+        pass
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+
+        found.add("flash_attn")
+    except ImportError:
+        pass
+    return frozenset(found)
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -13,7 +13,8 @@ materializes the shards on the host and only the buffers on the device; and that
 ``auto`` attention is vime's per-sample ``varlen_sdpa`` without flash-attention
 (registered with transformers, so a model builds with it), ``sdpa`` for a model
 with sliding-window layers, and an explicit choice is kept, while where
-flash-attention is usable ``auto`` is ``flash_attention_2`` for bf16 compute;
+flash-attention is usable ``auto`` is still ``varlen_sdpa`` (``flash_attention_2`` only
+for sliding-window layers in bf16);
 and that only rank 0 reads the checkpoint's weights (rank 1, given a folder with no
 weight file, builds on the meta device and receives its shards), which arrive as fp32
 master weights from a bf16 checkpoint, with rank 0's non-persistent buffers.
@@ -97,11 +98,11 @@ def test_auto_attention_without_flash_attention() -> None:
     assert resolve_attn_implementation("sdpa", cpu, fp32, tiny_qwen3_config()) == "sdpa"
 
 
-def test_auto_attention_picks_flash_attention_where_usable(monkeypatch) -> None:
+def test_auto_attention_is_varlen_unless_sliding(monkeypatch) -> None:
     """Where ``has_flash_attn`` says yes (a GPU with flash-attn, as transformers checks it),
-    ``auto`` resolves to ``flash_attention_2`` for bf16 compute, sliding-window layers
-    included (flash-attention handles the window); fp32 compute, which flash-attention
-    cannot run, still gets ``varlen_sdpa``, and an explicit choice is kept."""
+    ``auto`` still resolves to ``varlen_sdpa`` (which runs flash-attn's varlen kernel
+    itself and reads shared-prompt rows), except for sliding-window layers in bf16, which
+    get ``flash_attention_2``; an explicit choice is kept."""
     from vime import device as vime_device
 
     monkeypatch.setattr(vime_device, "has_flash_attn", lambda: True)
@@ -109,8 +110,9 @@ def test_auto_attention_picks_flash_attention_where_usable(monkeypatch) -> None:
     sliding = Qwen2Config(
         use_sliding_window=True, sliding_window=16, max_window_layers=1, num_hidden_layers=2
     )
-    for config in (tiny_qwen3_config(), sliding):
-        assert resolve_attn_implementation("auto", gpu, bf16, config) == "flash_attention_2"
+    assert resolve_attn_implementation("auto", gpu, bf16, tiny_qwen3_config()) == "varlen_sdpa"
+    assert resolve_attn_implementation("auto", gpu, bf16, sliding) == "flash_attention_2"
+    assert resolve_attn_implementation("auto", gpu, fp32, sliding) == "sdpa"
     assert resolve_attn_implementation("auto", gpu, fp32, tiny_qwen3_config()) == "varlen_sdpa"
     assert resolve_attn_implementation("sdpa", gpu, bf16, tiny_qwen3_config()) == "sdpa"
 

@@ -10,7 +10,10 @@ groups samples by power-of-two length, so no sample is padded to more than twice
 its length; the sample boundaries follow transformers' packed-sequence rule; and
 malformed input is refused with a message -- also by the transformers entry
 point, which names the fix for a model with sliding windows or a forward without
-``position_ids``. The HF-model level (packed logits and
+``position_ids``. The row as the varlen kernels take it (query runs, keys gathered
+per run with the shared prompt first) computes the buckets' attention under the
+kernels' bottom-right causal rule, and ``choose_kernel`` keeps the CPU (and fp32)
+on the buckets for every combination of installed kernels. The HF-model level (packed logits and
 gradients against per-sample forwards) is in ``test_micro_batch.py``.
 """
 
@@ -21,10 +24,16 @@ import torch
 import torch.nn.functional as F
 
 from vime.backends.varlen_attention import (
+    FLASH_ATTN,
+    SDPA_BUCKETS,
+    TORCH_VARLEN,
     _hf_attention,
+    choose_kernel,
+    kernels_used,
     layout_of_positions,
     packed_causal_attention,
     row_layout,
+    varlen_rows,
 )
 
 
@@ -200,3 +209,92 @@ def test_transformers_entry_point_refusals():
         _hf_attention(None, q, q, q, None)
     out, weights = _hf_attention(None, q, q, q, None, position_ids=positions)
     assert out.shape == (1, 6, 2, 8) and weights is None
+
+
+def _kernel_reference(q, k, v, runs, scale):
+    """What a varlen kernel computes from ``runs`` (its contract, spelt in sdpa): run i's
+    queries ``q[cu_q[i]:cu_q[i+1]]`` see its keys ``k[cu_k[i]:cu_k[i+1]]`` up to its own
+    position, the causal mask aligned to the bottom right. ``[L, H, D]`` in and out."""
+    outs = []
+    for i in range(runs.cu_q.shape[0] - 1):
+        qs = slice(int(runs.cu_q[i]), int(runs.cu_q[i + 1]))
+        ks = slice(int(runs.cu_k[i]), int(runs.cu_k[i + 1]))
+        nq, nk = qs.stop - qs.start, ks.stop - ks.start
+        seen = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+        qi, ki, vi = (t.transpose(0, 1) for t in (q[qs], k[ks], v[ks]))
+        out = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=seen, scale=scale, enable_gqa=True
+        )
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _shared_row(groups):
+    """Positions of a packed row of ``groups`` [(prompt, [responses...]), ...] shared as the
+    packer lays it out, then 3 padding tokens."""
+    positions = []
+    for prompt, responses in groups:
+        positions += range(prompt + responses[0])
+        for r in responses[1:]:
+            positions += range(prompt, prompt + r)
+    return torch.tensor([[*positions, 0, 1, 2]])
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_varlen_runs_compute_the_buckets_attention(kv_heads):
+    """The row as the varlen kernels take it (``RowLayout.varlen``: query runs, keys
+    gathered per run with the shared prompt first) gives the buckets' output and
+    gradients within 1e-5 in fp32, on random rows with shared prompts."""
+    gen = torch.Generator().manual_seed(kv_heads)
+    groups = [(5, [3, 1, 7]), (2, [9]), (11, [2, 4]), (1, [1, 1])]
+    positions = _shared_row(groups)
+    layout = layout_of_positions(positions)
+    total, heads, dim = positions.shape[1], 4, 16
+    runs = layout.varlen
+    assert runs.kv_index is not None and int(runs.cu_q[-1]) == total
+    assert runs.max_k == 11 + 4 and runs.max_q == 11 + 2
+
+    def leaf(h):
+        return torch.randn(h, total, dim, generator=gen).requires_grad_()
+
+    q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
+    probe = torch.randn(total, heads, dim, generator=gen)
+    got = _kernel_reference(*varlen_rows(q, k, v, layout), runs, 0.3)
+    want = packed_causal_attention(q, k, v, layout, scale=0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    grads = torch.autograd.grad((probe * got).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((probe * want).sum(), (q, k, v))
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    # An unshared row needs no gather: the kernels read the row's own keys.
+    assert row_layout([3, 5, 1]).varlen.kv_index is None
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_kernel_choice_over_every_combination(device_type, dtype, dropout):
+    """The flash kernels only on CUDA in 16 bits, torch's first unless dropout asks for
+    flash-attn's; the sdpa buckets everywhere else, whatever is installed."""
+    for installed in ((), (TORCH_VARLEN,), (FLASH_ATTN,), (TORCH_VARLEN, FLASH_ATTN)):
+        got = choose_kernel(device_type, frozenset(installed), dtype, dropout)
+        if device_type != "cuda" or dtype not in HALF:
+            want = SDPA_BUCKETS
+        elif TORCH_VARLEN in installed and not dropout:
+            want = TORCH_VARLEN
+        else:
+            want = FLASH_ATTN if FLASH_ATTN in installed else SDPA_BUCKETS
+        assert got == want, (installed, got)
+
+
+def test_cpu_runs_the_buckets_and_says_so(capsys):
+    """On this machine (the CPU) packed attention runs the sdpa buckets, whatever torch
+    offers, and names its kernel once."""
+    q = torch.randn(2, 6, 8)
+    packed_causal_attention(q, q, q, row_layout([2, 4]))
+    packed_causal_attention(q, q, q, row_layout([6]))
+    assert SDPA_BUCKETS in kernels_used()
+    assert capsys.readouterr().out.count("attention kernel sdpa_buckets (cpu, torch.float32)") <= 1

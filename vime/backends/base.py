@@ -60,6 +60,8 @@ class TrainSettings:
     checkpoint: CheckpointSettings
     export: ExportSettings
     backend: Any
+    # --compile-decoder: torch.compile each decoder block (vime.backends.compile)
+    compile_decoder: bool = False
 
 
 class TrainActor(abc.ABC):

@@ -1,18 +1,28 @@
 """Causal attention over a packed row, computed per sample instead of over the row.
 
 Where it fits: the training backends forward padding-free rows of many samples
-(``vime.data.micro_batch``). flash-attention's varlen kernel handles such rows on
-GPU; without it (the CPU, or a GPU without flash-attn) attention used to run over
-the whole row under a dense block-diagonal mask, which costs ``L²`` per row although
-only ``Σ nᵢ²`` of it is ever unmasked -- for the embedded default (rows of 1024
-tokens, samples of ~20) that is ~50x wasted work and most of a training step.
+(``vime.data.micro_batch``). Attention over the whole row under a dense
+block-diagonal mask costs ``L²`` per row although only ``Σ nᵢ²`` of it is ever
+unmasked -- for the embedded default (rows of 1024 tokens, samples of ~20) that is
+~50x wasted work and most of a training step.
 
-``packed_causal_attention`` gathers the samples of a row into a padded batch and
-runs ``scaled_dot_product_attention(is_causal=True)`` on it. Samples are grouped by
+``packed_causal_attention`` on the CPU (and wherever no varlen kernel applies,
+below) gathers the samples of a row into a padded batch and runs
+``scaled_dot_product_attention(is_causal=True)`` on it. Samples are grouped by
 length (power-of-two buckets), so padding at most doubles a sample's length and a
 few long samples do not blow up many short ones. No mask is needed: under causal
 attention a sample's real tokens never see the padding after them, and the padded
 positions' outputs are dropped (so their gradient is exactly zero).
+
+On a GPU one kernel call per layer does it all: ``choose_kernel`` picks, from the
+device, the installed kernels (``vime.device.attention_kernels``) and the dtype, torch's
+own varlen attention (``torch.nn.attention.varlen``), else flash-attn's
+``flash_attn_varlen_func`` -- both 16-bit, CUDA only -- else the sdpa buckets above,
+which stay the CPU's path. The varlen kernels take the row's queries as they are
+(``cu_seqlens_q`` = the runs) and keys gathered per run: a run that continues a shared
+prompt gets the prompt's keys then its own (``cu_seqlens_k``), and the kernels' causal
+mask, aligned to the bottom right when a run has more keys than queries, lets its
+token i see the prompt and its own tokens up to i -- exactly what the buckets compute.
 
 ``register_hf`` exposes it to transformers as ``attn_implementation="varlen_sdpa"``,
 and no mask function: transformers then builds no mask and, unlike for a registered
@@ -24,32 +34,76 @@ does not follow its predecessor), so it is a drop-in for ``sdpa`` on packed rows
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from vime import device as vime_device
 from vime.device import to_device
+from vime.sync_budget import host_only
 
 HF_NAME = "varlen_sdpa"
 
 
 @dataclass(frozen=True)
-class RowLayout:
-    """Where the samples of one packed row of ``length`` tokens sit, grouped for attention.
+class VarlenRuns:
+    """A row as varlen kernels take it: the runs' query bounds ``cu_q`` (int32), their
+    key bounds ``cu_k`` over the keys ``kv_index`` gathers (None: the row's own keys, no
+    run continuing a shared prompt), and the longest run of each (host ints)."""
 
-    Each bucket is ``(index, keep)``: ``index`` ``[n, M]`` gathers n samples (each
-    padded to the bucket's longest, M) from the row; ``keep`` lists the positions,
-    among the ``n*M``, of the tokens whose output each sample supplies (its own,
-    not a shared prefix's). ``order`` ``[length]`` takes the buckets' kept tokens
-    back to row order.
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    kv_index: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where the runs of one packed row of ``length`` tokens sit: run k holds tokens
+    ``starts[k]`` on (``lengths[k]`` of them) and attends first to the ``prefix[k]``
+    tokens from ``prefix_starts[k]`` (a shared prompt; 0 for a whole sample). These are
+    host tensors; what a kernel reads is built from them on first use, on ``device``.
+
+    ``buckets`` (the sdpa path): each is ``(index, keep)``: ``index`` ``[n, M]`` gathers
+    n runs (each padded to the bucket's longest, M) from the row; ``keep`` lists the
+    positions, among the ``n*M``, of the tokens whose output each run supplies (its
+    own, not a shared prefix's). ``order`` ``[length]`` takes the buckets' kept tokens
+    back to row order. ``varlen`` (the varlen kernels): ``VarlenRuns``.
     """
 
     length: int
-    buckets: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    order: torch.Tensor
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    prefix: torch.Tensor
+    prefix_starts: torch.Tensor
+    device: torch.device
+
+    @property
+    def buckets(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        return self._bucket_plan[0]
+
+    @property
+    def order(self) -> torch.Tensor:
+        return self._bucket_plan[1]
+
+    @cached_property
+    def _bucket_plan(self) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], torch.Tensor]:
+        with host_only():  # host tensors, copied without a wait by to_device
+            return _buckets(self.starts, self.lengths, self.prefix, self.prefix_starts, self.device)
+
+    @cached_property
+    def varlen(self) -> VarlenRuns:
+        with host_only():
+            return _varlen_runs(
+                self.starts, self.lengths, self.prefix, self.prefix_starts, self.device
+            )
 
 
 def row_layout(seq_lengths: list[int], device: torch.device | str = "cpu") -> RowLayout:
@@ -58,19 +112,19 @@ def row_layout(seq_lengths: list[int], device: torch.device | str = "cpu") -> Ro
         raise ValueError(f"a packed row needs samples of >= 1 token, got lengths {seq_lengths}")
     lengths = torch.tensor(seq_lengths)
     starts = torch.cumsum(lengths, 0) - lengths
-    return _runs_layout(starts, lengths, torch.zeros_like(lengths), starts, device)
+    zeros = torch.zeros_like(lengths)
+    return RowLayout(int(lengths.sum()), starts, lengths, zeros, starts, torch.device(device))
 
 
-def _runs_layout(
+def _buckets(
     starts: torch.Tensor,
     lengths: torch.Tensor,
     prefix: torch.Tensor,
     prefix_starts: torch.Tensor,
-    device: torch.device | str,
-) -> RowLayout:
-    """Run k (tokens ``starts[k]`` on, ``lengths[k]`` of them) attends to the ``prefix[k]``
-    tokens from ``prefix_starts[k]`` (a shared prompt; 0 for a whole sample), then to
-    itself causally; it supplies the output of its own tokens only."""
+    device: torch.device,
+) -> tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], torch.Tensor]:
+    """``RowLayout``'s ``buckets`` and ``order``: runs grouped by power-of-two length (their
+    prefix included), each run supplying the output of its own tokens only."""
     total = prefix + lengths
     keys = [int(n - 1).bit_length() for n in total.tolist()]
     groups: dict[int, list[int]] = {}
@@ -90,9 +144,80 @@ def _runs_layout(
         buckets.append((to_device(index, device), to_device(owned, device)))
         positions.append(index.flatten()[owned])
     order = torch.argsort(torch.cat(positions))
-    return RowLayout(int(lengths.sum()), tuple(buckets), to_device(order, device))
+    return tuple(buckets), to_device(order, device)
 
 
+def _varlen_runs(
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    prefix: torch.Tensor,
+    prefix_starts: torch.Tensor,
+    device: torch.device,
+) -> VarlenRuns:
+    """``RowLayout.varlen``: the runs lie end to end in the row, so their queries are the
+    row itself; run k's keys are its prefix, then its own tokens."""
+    total = prefix + lengths
+    cu_q = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32)
+    cu_q[1:] = torch.cumsum(lengths, 0)
+    cu_k = torch.zeros_like(cu_q)
+    cu_k[1:] = torch.cumsum(total, 0)
+    kv_index = None
+    if bool((prefix > 0).any()):
+        run = torch.repeat_interleave(torch.arange(lengths.shape[0]), total)
+        step = torch.arange(int(total.sum())) - cu_k[:-1].long()[run]
+        s = prefix[run]
+        kv_index = to_device(
+            torch.where(step < s, prefix_starts[run] + step, starts[run] + step - s), device
+        )
+    return VarlenRuns(
+        to_device(cu_q, device),
+        to_device(cu_k, device),
+        int(lengths.max()),
+        int(total.max()),
+        kv_index,
+    )
+
+
+# The kernels ``choose_kernel`` picks from (``vime.device.attention_kernels`` names the
+# installed ones by the first two).
+TORCH_VARLEN = "torch_varlen"
+FLASH_ATTN = "flash_attn"
+SDPA_BUCKETS = "sdpa_buckets"
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def choose_kernel(
+    device_type: str, installed: frozenset[str], dtype: torch.dtype, dropout: bool = False
+) -> str:
+    """The attention kernel of a packed row on ``device_type`` in ``dtype``, from the
+    ``installed`` varlen kernels: torch's or flash-attn's (flash-attention kernels: CUDA
+    and 16-bit only; torch's has no dropout), else the sdpa buckets (any device, dtype)."""
+    if device_type != "cuda" or dtype not in _HALF:
+        return SDPA_BUCKETS
+    if TORCH_VARLEN in installed and not dropout:
+        return TORCH_VARLEN
+    return FLASH_ATTN if FLASH_ATTN in installed else SDPA_BUCKETS
+
+
+_ANNOUNCED: set[tuple[str, str, torch.dtype]] = set()
+
+
+def _announce(kernel: str, device_type: str, dtype: torch.dtype) -> None:
+    """One line per process (and kernel, device type, dtype) naming the kernel picked."""
+    key = (kernel, device_type, dtype)
+    if key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        print(f"vime: packed-row attention kernel {kernel} ({device_type}, {dtype})", flush=True)
+
+
+def kernels_used() -> list[str]:
+    """The kernels this process's packed attention has run (for reports, e.g. benches)."""
+    return sorted({kernel for kernel, _, _ in _ANNOUNCED})
+
+
+# Not traced by torch.compile (--compile-decoder): the layout is Python data that changes
+# with every row, so the attention is one opaque call between compiled graphs.
+@torch.compiler.disable
 def packed_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -101,18 +226,91 @@ def packed_causal_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention within each sample of a packed row.
+    """Causal attention within each sample of a packed row, by ``choose_kernel``'s kernel.
 
     ``query`` is ``[H, L, D]``, ``key``/``value`` ``[Hkv, L, D]`` (grouped-query
     attention when Hkv divides H); returns ``[L, H, D]``, the layout the output
     projection reads.
     """
-    heads, length, dim = query.shape
+    length = query.shape[1]
     if key.shape[1] != length or layout.length != length:
         raise ValueError(
             f"packed attention needs queries, keys and layout of one length, got "
             f"{length}, {key.shape[1]} and {layout.length}"
         )
+    kernel = choose_kernel(
+        query.device.type, vime_device.attention_kernels(), query.dtype, dropout_p > 0
+    )
+    _announce(kernel, query.device.type, query.dtype)
+    if kernel == SDPA_BUCKETS:
+        return _bucket_attention(query, key, value, layout, scale, dropout_p)
+    rows = varlen_rows(query, key, value, layout)
+    return _VARLEN_KERNELS[kernel](rows, layout.varlen, scale, dropout_p)
+
+
+def varlen_rows(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: RowLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[H, L, D]`` queries, keys and values as the varlen kernels take them: ``[L, H, D]``,
+    keys and values gathered per run (``layout.varlen.kv_index``) where prompts are shared."""
+    q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+    index = layout.varlen.kv_index
+    if index is not None:
+        k, v = k.index_select(0, index), v.index_select(0, index)
+    return q, k, v
+
+
+@functools.cache
+def _parameters(function: Callable[..., Any]) -> frozenset[str]:
+    """``function``'s parameter names (read once: the signature differs across torch)."""
+    return frozenset(inspect.signature(function).parameters)
+
+
+def _torch_varlen(
+    qkv: tuple[torch.Tensor, ...], runs: VarlenRuns, scale: float | None, dropout_p: float
+) -> torch.Tensor:
+    """``torch.nn.attention.varlen.varlen_attn`` over ``[L, H, D]`` rows (no dropout)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = qkv
+    gqa = k.shape[1] != q.shape[1]
+    extra: dict[str, Any] = {"scale": scale}
+    params = _parameters(varlen_attn)
+    # torch 2.10 spelt causal is_causal; later ones window_size (-1, 0).
+    extra.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    if gqa and "enable_gqa" in params:
+        extra["enable_gqa"] = True
+    elif gqa:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, runs.cu_q, runs.cu_k, runs.max_q, runs.max_k, **extra)
+
+
+def _flash_attn(
+    qkv: tuple[torch.Tensor, ...], runs: VarlenRuns, scale: float | None, dropout_p: float
+) -> torch.Tensor:
+    """flash-attn's ``flash_attn_varlen_func`` over ``[L, H, D]`` rows (its causal mask
+    is aligned to the bottom right since flash-attn 2.1)."""
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        *qkv, runs.cu_q, runs.cu_k, runs.max_q, runs.max_k,
+        dropout_p=dropout_p, softmax_scale=scale, causal=True,
+    )  # fmt: skip
+
+
+_VARLEN_KERNELS = {TORCH_VARLEN: _torch_varlen, FLASH_ATTN: _flash_attn}
+
+
+def _bucket_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: RowLayout,
+    scale: float | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """The sdpa path: each bucket's runs gathered into a padded batch (module docstring)."""
+    heads, _, dim = query.shape
     gqa = key.shape[0] != heads
     parts = []
     for index, keep in layout.buckets:
@@ -168,7 +366,9 @@ def layout_of_positions(
             "run it continues; a shared prompt comes first, at positions 0.."
         )
     target = position_ids.device if device is None else device
-    return _runs_layout(starts, lengths, prefix, starts[roots], target)
+    return RowLayout(
+        int(lengths.sum()), starts, lengths, prefix, starts[roots], torch.device(target)
+    )
 
 
 # The attribute of a row's boundary tensor that holds the layout a packer attached.
@@ -216,6 +416,8 @@ def layout_of_cu_seqlens(cu_seqlens: torch.Tensor) -> RowLayout:
     return _CACHE.get(cu_seqlens, lambda cu: row_layout(torch.diff(cu).tolist(), cu.device))
 
 
+# The layout lookup (a tensor attribute, its version) is Python, too: see above.
+@torch.compiler.disable
 def _hf_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -74,6 +74,12 @@ def _prompt_sources(p: argparse._ArgumentGroup) -> None:
         "update); by default every dropout probability of its config is set to 0",
     )
     p.add_argument(
+        "--compile-decoder",
+        action="store_true",
+        help="torch.compile each decoder block's forward (both backends; the packed-row "
+        "attention stays out of the graphs); the first steps pay for compiling",
+    )
+    p.add_argument(
         "--prompt-data",
         default=None,
         metavar="FILE",

@@ -47,6 +47,7 @@ def train_settings(args: argparse.Namespace) -> TrainSettings:
             bucket_bytes=args.update_weight_buffer_size, tokenizer=args.hf_checkpoint
         ),
         backend=registry.settings_maker(args.train_backend)(args),
+        compile_decoder=args.compile_decoder,
     )
 
 

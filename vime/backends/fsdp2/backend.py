@@ -32,6 +32,7 @@ from transformers import AutoConfig
 
 from vime import checkpoint
 from vime import device as vime_device
+from vime.backends import compile as decoder_compile
 from vime.backends import varlen_attention
 from vime.backends.base import TrainSettings
 from vime.backends.dropout import model_config
@@ -93,7 +94,9 @@ class FSDP2Backend(TrainBackend):
                 "reshard_after_forward": own.reshard_after_forward,
                 "cpu_offload": own.cpu_offload,
             },
-            adapt=self._add_adapters if self.lora.enabled else None,
+            adapt=decoder_compile.before_sharding(
+                self._add_adapters if self.lora.enabled else None, settings.compile_decoder
+            ),
             # Dropout off in every RL forward unless --keep-dropout (vime.backends.dropout).
             config=model_config(self.hf_config, settings.keep_dropout),
         )

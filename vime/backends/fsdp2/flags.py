@@ -74,8 +74,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--attn-implementation",
         choices=ATTN_IMPLEMENTATIONS,
         default="auto",
-        help="auto: flash_attention_2 on GPU when installed, else varlen_sdpa (torch attention "
-        "per packed sample); sdpa: over the whole row under a block mask",
+        help="auto: varlen_sdpa, attention per packed sample (a varlen flash kernel on GPU "
+        "in 16 bits, torch sdpa otherwise); for sliding-window models flash_attention_2 on "
+        "GPU when installed, else sdpa: over the whole row under a block mask",
     )
 
 

@@ -58,19 +58,20 @@ def build_mesh(mode: str, world: int, shard_size: int | None, device: torch.devi
 def resolve_attn_implementation(
     name: str, device: torch.device, param_dtype: torch.dtype, hf_config: Any = None
 ) -> str:
-    """``auto``: flash-attention (varlen over packed rows) on GPU when installed and the
-    compute dtype is 16-bit, which is all it supports; otherwise ``varlen_sdpa``, torch's
-    attention per sample of the packed row (``vime.backends.varlen_attention``), which
-    this call registers with transformers -- unless ``hf_config`` has sliding-window
-    layers, which only ``sdpa`` (the same math over the whole row under a block mask)
-    also handles."""
+    """``auto``: ``varlen_sdpa``, attention per sample of the packed row
+    (``vime.backends.varlen_attention``: one varlen flash kernel a layer on a GPU in 16
+    bits, sdpa buckets elsewhere; it also reads rows whose samples share their prompt),
+    which this call registers with transformers -- unless ``hf_config`` has
+    sliding-window layers, which it does not handle: those get transformers'
+    ``flash_attention_2`` on a GPU with flash-attn and 16-bit compute, else ``sdpa``
+    (the same math over the whole row under a block mask)."""
     if name == "auto":
         half = param_dtype in (torch.bfloat16, torch.float16)
         sliding = "sliding_attention" in (getattr(hf_config, "layer_types", None) or ())
-        if half and vime_device.has_flash_attn():
-            name = "flash_attention_2"
+        if not sliding:
+            name = varlen_attention.HF_NAME
         else:
-            name = "sdpa" if sliding else varlen_attention.HF_NAME
+            name = "flash_attention_2" if half and vime_device.has_flash_attn() else "sdpa"
     if name == varlen_attention.HF_NAME:
         varlen_attention.register_hf()
     return name

@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from vime import device as vime_device
+from vime.backends import compile as decoder_compile
 from vime.backends import varlen_attention
 from vime.backends.base import TrainSettings
 from vime.backends.collectives import all_reduce_sum
@@ -131,6 +132,8 @@ class MegatronBackend(TrainBackend):
             param_dtype=self.param_dtype,
             device=self.device,
         )
+        if settings.compile_decoder:
+            decoder_compile.compile_decoder(self.model)
         vocab = int(self.hf_config.vocab_size)
         width = convert.padded_vocab_size(vocab, self.tp) // self.tp
         self.vocab_shard = VocabShard.of_this_rank(width, vocab)

@@ -249,6 +249,18 @@ class PackedDotProductAttention(DotProductAttention):
             )
         if attention_bias is not None:
             raise ValueError("packed attention takes no attention bias")
+        return self._packed(query, key, value, packed_seq_params)
+
+    # Not traced by torch.compile (--compile-decoder): the row's layout is Python data that
+    # changes with every row (vime.backends.varlen_attention).
+    @torch.compiler.disable
+    def _packed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        packed_seq_params: PackedSeqParams,
+    ) -> torch.Tensor:
         layout = varlen_attention.layout_of_cu_seqlens(packed_seq_params.cu_seqlens_q)
         dropout = self.config.attention_dropout if self.training else 0.0
 
