@@ -21,11 +21,17 @@ otherwise the two paths did different work and the bench exits 1.
     PYTHONPATH=. python bench/train_step.py --smoke      # tiny, for the tests
     PYTHONPATH=. python bench/train_step.py --backend megatron
     PYTHONPATH=. python bench/train_step.py --device cuda --hidden 1024 --layers 16
+    ... --max-tokens-per-gpu 16384 --compile-decoder --sync-debug   # scripts/gpu-check.sh
+
+Below the table: the packed-row attention kernel(s) vime ran
+(``vime.backends.varlen_attention.choose_kernel``) and, with ``--sync-debug`` on CUDA,
+the host syncs of vime's timed steps by source line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -35,7 +41,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -84,6 +92,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one step per path")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--compile-decoder", action="store_true", help="vime path: torch.compile each block"
+    )
+    p.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="CUDA: count the host syncs of vime's timed steps "
+        '(torch.cuda.set_sync_debug_mode("warn")) and print where they happen',
+    )
     for flag, kind, default, help_text in FLAGS:
         p.add_argument(f"--{flag}", type=kind, default=default, help=help_text)
     if "--smoke" in argv:
@@ -173,6 +190,8 @@ def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, 
         f"--global-batch-size {args.samples} "
         f"--use-dynamic-batch-size --max-tokens-per-gpu {cap} --prompt-data builtin:reverse"
     )  # --prompt-data only satisfies validation: the rollout here is made up
+    if args.compile_decoder:
+        flags += " --compile-decoder"
     actor = policy_actor.make_actor(args.backend)
     actor.init(
         train_settings(
@@ -191,7 +210,8 @@ def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, 
     # What the rows hold: shared prompts once each (fsdp2 with varlen_sdpa), no padding.
     share = getattr(actor.backend, "shares_prompts", False)
     forwarded = sum(batch.pack(mb, share_prompts=share).row_length for mb in rows)
-    return step, dict(rows=len(rows), forwarded=forwarded, attn=attn, batching=f"<={cap} tok/row")
+    batching = f"<={cap} tok/row" + (", compiled blocks" if args.compile_decoder else "")
+    return step, dict(rows=len(rows), forwarded=forwarded, attn=attn, batching=batching)
 
 
 def naive_path(
@@ -246,6 +266,25 @@ def naive_path(
     return step, dict(rows=len(micro), forwarded=forwarded, attn=attn, batching=f"{mbs}/row")
 
 
+@contextlib.contextmanager
+def sync_warnings(device: torch.device, into: Counter[str] | None) -> Iterator[None]:
+    """Around a step on CUDA: torch's sync debug mode warns at every op that makes the host
+    wait; each warning is counted in ``into`` by where it was raised (None: off)."""
+    if into is None or device.type != "cuda":
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            into[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
+
+
 def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Build both paths on one rollout and time their steps; figures for ``report``."""
     batch = make_rollout(args)
@@ -257,16 +296,24 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         }
         times: dict[str, list[float]] = {name: [] for name in paths}
         first: dict[str, tuple[float, float]] = {}
+        syncs: Counter[str] = Counter()
         # Interleaved, so a change in background load hits both paths alike.
         for rep in range(args.warmup + args.repeats):
             for name, (step, _) in paths.items():
+                watch = args.sync_debug and rep >= args.warmup and name.startswith("vime")
                 _sync(device)
                 start = time.perf_counter()
-                result = step()
+                with sync_warnings(device, syncs if watch else None):
+                    result = step()
                 _sync(device)
                 if rep >= args.warmup:
                     times[name].append(time.perf_counter() - start)
                 first.setdefault(name, result)
+        from vime.backends import varlen_attention
+
+        vime_info = next(iter(paths.values()))[1]
+        # The packed-row attention kernels the vime path ran (varlen_attention.choose_kernel).
+        vime_info["kernels"] = varlen_attention.kernels_used()
     responses = sorted(len(t) - p for t, p in zip(batch.tokens, batch.prompt_lengths, strict=True))
     return {
         "params": params,
@@ -275,6 +322,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "response_quantiles": [responses[int(q * (len(responses) - 1))] for q in (0.5, 0.9, 1)],
         "paths": {name: {**info, "times": times[name]} for name, (_, info) in paths.items()},
         "first_step": first,
+        "syncs": dict(syncs) if args.sync_debug else None,
     }
 
 
@@ -316,10 +364,17 @@ def report(args: argparse.Namespace, device: torch.device, r: dict[str, Any]) ->
             f"{gflops / ref_peak:>7.1%}{path['rows']:>5}{fwd:>7.2f}{loss:>11.6f}{gnorm:>9.5f}"
             f"  {path['batching']}, {path['attn']}"
         )
+    vime_path = next(iter(r["paths"].values()))
+    print(f"\npacked-row attention kernel(s): {', '.join(vime_path['kernels']) or 'none of vime'}")
+    if r["syncs"] is not None:
+        counted = sum(r["syncs"].values())
+        where = ", ".join(f"{loc} x{n}" for loc, n in Counter(r["syncs"]).most_common(8))
+        note = "" if device.type == "cuda" else " (CUDA only: not counted on the CPU)"
+        print(f"host syncs in vime's {args.repeats} timed steps: {counted}{note} {where}")
     (vime, naive), (vime_best, naive_best) = tps.values(), best.values()
     # The fastest steps are the least disturbed by other jobs on a shared machine.
     fastest = vime_best / naive_best
-    print(f"\nratio vime/naive: {vime / naive:.2f}x tokens/s ({fastest:.2f}x on fastest steps)")
+    print(f"ratio vime/naive: {vime / naive:.2f}x tokens/s ({fastest:.2f}x on fastest steps)")
     if next(iter(r["paths"].values()))["attn"] == "sdpa":
         print(
             "note: without varlen attention a packed row attends over its whole length under a "

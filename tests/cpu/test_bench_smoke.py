@@ -10,7 +10,8 @@ the LoRA bench holds and syncs less than full-weight training, and that the LoRA
 bench's two vLLM paths (its own LoRA, the merge) serve the same model, and that the
 ready-order simulation prints a row per setting and way of taking, and that the
 math-verify agreement bench scores every answer form both ways and writes its JSON. No
-timing is asserted: the figures depend on the machine and its load.
+timing is asserted: the figures depend on the machine and its load. The GPU lease's
+``scripts/gpu-check.sh`` is dry-run: its bench matrix parses with the bench's flags.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def test_train_step_bench_smoke(backend: str, tmp_path: Path) -> None:
     if backend == "megatron":
         pytest.importorskip("megatron.core")
     out = tmp_path / "figures.json"
-    flags = ["--smoke", "--threads", "1", "--device", "cpu", "--json", str(out)]
+    flags = ["--smoke", "--threads", "1", "--device", "cpu", "--json", str(out), "--sync-debug"]
     result = _run_bench("train_step.py", [*flags, "--backend", backend], timeout=300)
     lines = result.stdout.splitlines()
     for prefix in (
@@ -58,6 +59,9 @@ def test_train_step_bench_smoke(backend: str, tmp_path: Path) -> None:
         "matmul peak",
         f"vime {backend} (packed)",
         "naive HF (padded)",
+        # The CPU keeps the sdpa buckets; syncs are counted on CUDA only.
+        "packed-row attention kernel(s): sdpa_buckets",
+        "host syncs in vime's 1 timed steps: 0 (CUDA only",
         "ratio vime/naive:",
         "check: first-step grad norm (and the loss) agree within 0.001: ok",
     ):
@@ -77,6 +81,33 @@ def test_train_step_bench_smoke(backend: str, tmp_path: Path) -> None:
     assert naive["forwarded"] > figures["real_tokens"]
     assert len(vime["times"]) == len(naive["times"]) == 1
     assert all(gflops > 0 for _, gflops in figures["peaks"].values())
+    assert vime["kernels"] == ["sdpa_buckets"]
+
+
+def test_gpu_check_dry_run_lists_the_bench_matrix(tmp_path: Path) -> None:
+    """``scripts/gpu-check.sh`` under DRY_RUN=1 prints the GPU test suite and six benches
+    (both backends at row caps 4608 and 16384, and compiled at 16384), each with flags
+    the bench's own parser accepts."""
+    env = {**os.environ, "PARTS": "tests bench", "DRY_RUN": "1", "OUT": str(tmp_path)}
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-check.sh")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = [line.split() for line in result.stdout.splitlines() if line.startswith("would run")]
+    assert "tests/gpu/test_varlen_attention_gpu.py" in runs[0]
+    script = "bench/train_step.py"
+    benches = [argv[argv.index(script) + 1 :] for argv in runs if script in argv]
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import train_step
+    finally:
+        sys.path.pop(0)
+    parsed = [train_step.parse(argv) for argv in benches]
+    got = {(a.backend, a.max_tokens_per_gpu, a.compile_decoder) for a in parsed}
+    want = {(b, cap, False) for b in ("fsdp2", "megatron") for cap in (4608, 16384)}
+    assert got == want | {("fsdp2", 16384, True), ("megatron", 16384, True)}
+    assert all(a.sync_debug and a.device == "cuda" and a.layers == 16 for a in parsed)
 
 
 def test_engine_idle_bench_smoke(tmp_path: Path) -> None:
