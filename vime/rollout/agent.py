@@ -71,7 +71,10 @@ class Trajectory:
     the text from there, its ``trajectory`` the whole. ``finish_reason`` "length"
     marks a trajectory cut short; ``cut`` says by what ("budget", "max_turns").
     ``turns`` (model turns, counted by ``add_turn``), ``tool_calls``, ``tool_errors``
-    (by kind) and ``tool_seconds`` feed the metrics.
+    (by kind) and ``tool_seconds`` feed the metrics. ``prompt_ids``: the prompt the
+    trajectory follows when the function rendered its own (the OpenAI endpoint's agents,
+    ``vime.rollout.endpoint``); None: the sample's. ``drift``: that endpoint's requests
+    that did not extend the trajectory (``agent/endpoint_drift``).
     """
 
     response_ids: list[int] = field(default_factory=list)
@@ -86,6 +89,8 @@ class Trajectory:
     tool_errors: dict[str, int] = field(default_factory=dict)
     tool_seconds: float = 0.0
     turns: int = 0
+    prompt_ids: list[int] | None = None
+    drift: int = 0
 
     def add_turn(self, turn: Turn) -> None:
         """Append the model's tokens; they are now the final answer, until env tokens follow."""
@@ -238,9 +243,23 @@ class AgentRollouts:
     """Runs one generate function over every sample of a request; the manager's
     multi-turn stand-in for ``EngineGroup.generate`` / ``submit``."""
 
-    def __init__(self, fn: GenerateFn, engines: Any, budget: int, *, name: str = "") -> None:
+    def __init__(
+        self,
+        fn: GenerateFn,
+        engines: Any,
+        budget: int,
+        *,
+        name: str = "",
+        close: Callable[[], object] | None = None,
+    ) -> None:
         self.fn, self.engines, self.budget = fn, engines, budget
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
+        self._close = close
+
+    def close(self) -> None:
+        """Release what the generate function holds (the OpenAI endpoint's server)."""
+        if self._close is not None:
+            self._close()
 
     def generate(
         self, prompts: Sequence[Prompt], prompt_ids: Sequence[list[int]], params: SamplingParams
@@ -320,9 +339,11 @@ class AgentRollouts:
             "answer_start": traj.answer_start,
             "reward": traj.reward,
             "metadata": dict(traj.metadata),
+            "drift": traj.drift,
         }
+        prompt = sample.prompt_ids if traj.prompt_ids is None else traj.prompt_ids
         return Completion(
-            list(sample.prompt_ids),
+            list(prompt),
             list(traj.response_ids),
             list(traj.log_probs),
             traj.finish_reason,

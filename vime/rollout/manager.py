@@ -382,6 +382,7 @@ def agent_metrics(completions: Sequence[Completion]) -> dict[str, float]:
         "agent/tool_seconds": float(sum(s.get("tool_seconds", 0.0) for s in stats)),
         "agent/model_tokens_mean": _mean(model),
         "agent/env_tokens_mean": _mean(env),
+        "agent/endpoint_drift": float(sum(s.get("drift", 0) for s in stats)),
     }
     for cut in ("max_turns", "budget"):
         metrics[f"agent/cut_{cut}"] = float(sum(s.get("cut") == cut for s in stats))

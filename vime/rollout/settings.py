@@ -77,10 +77,29 @@ class ToolLoopSettings:
 
 
 @dataclass(frozen=True)
+class EndpointSettings:
+    """The OpenAI-compatible endpoint of ``--agent-function-path`` (``vime.rollout.endpoint``):
+    where it listens (``--endpoint-host``, ``--endpoint-port``, 0 for a free one), requests
+    per trajectory at most (``--max-turns``) and how tool calls are read (``--tool-parser``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_turns: int = 4
+    parser: str = AUTO
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ConfigError(f"--max-turns must be >= 1, got {self.max_turns}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--endpoint-port must be in 0..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
 class AgentSettings:
     """The run's multi-turn generation: a custom generate function
     (``--custom-generate-function-path``), the tool loop over ``--tools`` (``loop``, None
-    without them), or neither; ``budget`` and ``stop_token_ids`` are the rollout's
+    without them), an agent function behind the OpenAI endpoint (``--agent-function-path``,
+    ``endpoint``), or none; ``budget`` and ``stop_token_ids`` are the rollout's
     (``--rollout-max-response-len``, ``--rollout-stop-token-ids``)."""
 
     generate_function: str | None
@@ -89,3 +108,5 @@ class AgentSettings:
     apply_chat_template: bool
     budget: int
     stop_token_ids: tuple[int, ...]
+    agent_function: str | None = None
+    endpoint: EndpointSettings | None = None

@@ -1,0 +1,230 @@
+"""The OpenAI endpoint of ``--agent-function-path`` on the real hf engine.
+
+Proves, with ``openai``-client agents on a tiny chat model that calls a tool: every
+trajectory trained is token-exact -- each model turn is the engine's own draw for its
+context and (sample, request) seed with the engine's log-probs, and the tool answers
+and nudges between turns are the template's tail (mask 0), never re-tokenized model
+text; tool calls come back in OpenAI's ``tool_calls`` form and the reward is the
+agent's float; a drifting agent (it edits earlier context) is served, counted, and
+trained on its last consistent prefix; an agent that never stops is cut by the budget
+or ``--max-turns`` and stopped; and every bad request gets OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from endpoint_fixtures import (
+    PROMPTS,
+    drifting_agent,
+    endless_agent,
+    endpoint_tokenizer,
+    save_endpoint_model,
+    tool_agent,
+)
+
+from vime.data.prompts import Prompt
+from vime.rollout.agent import CALLS_PER_SAMPLE, AgentRollouts, AgentSample
+from vime.rollout.endpoint.agent import EndpointAgent
+from vime.rollout.endpoint.capture import Conversation
+from vime.rollout.endpoint.server import HEADER, EndpointServer
+from vime.rollout.tools.toolbox import parse_tool_calls
+from vime.rollout.types import SamplingParams
+
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_endpoint_model(tmp_path_factory.mktemp("endpoint") / "m")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: str):
+    import torch
+
+    from vime.rollout.engines.hf import HFEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield HFEngine(model_dir)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return endpoint_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = EndpointServer().start()
+    yield server
+    server.close()
+
+
+def run_agent(fn, engine, tok, server, *, n=2, budget=80, max_turns=4):
+    eot = tok.eos_token_id
+    agent = EndpointAgent(
+        fn,
+        server,
+        tok,
+        max_turns=max_turns,
+        parse=lambda text: parse_tool_calls(text),
+        stops=frozenset({eot}),
+    )
+    prompts = [Prompt(index=i, text=t, label="5") for i, t in enumerate(PROMPTS)]
+    ids = [tok.encode(t, add_special_tokens=False) for t in PROMPTS]
+    params = SamplingParams(n=n, temperature=1.0, seed=SEED, stop_token_ids=(eot,))
+    groups = AgentRollouts(agent, engine, budget).generate(prompts, ids, params)
+    return [c for g in groups for c in g]
+
+
+def model_turns(completion) -> list[tuple[int, int]]:
+    mask, spans, k = completion.loss_mask, [], 0
+    while k < len(mask):
+        if mask[k]:
+            end = k
+            while end < len(mask) and mask[end]:
+                end += 1
+            spans.append((k, end))
+            k = end
+        else:
+            k += 1
+    return spans
+
+
+def assert_engine_exact(engine, completion, sample: int, eot: int) -> None:
+    """Each model turn is what the engine draws alone for its context and (sample, turn)
+    seed, and its log-probs are the engine's scores of those tokens."""
+    resp = completion.response_ids
+    for turn, (start, end) in enumerate(model_turns(completion)):
+        context = completion.prompt_ids + resp[:start]
+        alone = SamplingParams(
+            n=1,
+            max_new_tokens=end - start,
+            seed=SEED,
+            stop_token_ids=(eot,),
+            prompt_indices=(sample * CALLS_PER_SAMPLE + turn,),
+        )
+        assert engine.generate([context], alone)[0][0].response_ids == resp[start:end]
+        scores = engine.score(context + resp[start:end], len(context), 1.0)
+        got = completion.log_probs[start:end]
+        assert max(abs(a - b) for a, b in zip(scores, got, strict=True)) < 1e-4
+
+
+def test_a_tool_agent_trains_on_the_engines_own_tokens(engine, tok, server) -> None:
+    """Three requests per trajectory, tool calls among them: ids and log-probs are the
+    engine's; between turns only the template's tail (tool answers, nudges) as context."""
+    completions = run_agent(tool_agent, engine, tok, server)
+    eot = tok.eos_token_id
+    calls = 0
+    for i, c in enumerate(completions):
+        stats = c.extra["agent"]
+        assert stats["turns"] == 3 and stats["drift"] == 0 and stats["cut"] is None
+        assert stats["reward"] in (0.0, 1.0)
+        calls += stats["tool_calls"]
+        assert_engine_exact(engine, c, i, eot)
+        # The first request's prompt shows the tools; the context between turns is the
+        # template's tail after the model's own end of turn.
+        assert "<tools>" in tok.decode(c.prompt_ids) and c.prompt_ids[-1] != eot
+        resp = c.response_ids
+        for (_, end), (nxt, _) in zip(model_turns(c), model_turns(c)[1:], strict=False):
+            between = tok.decode(resp[end:nxt])
+            assert between.endswith("<|im_start|>assistant\n")
+            if "<tool_response>" in between:
+                assert "<tool_response>\n5\n</tool_response>" in between
+    assert calls >= 2  # the model called the tool and each answer came back
+
+
+def test_a_drifting_agent_is_served_counted_and_trained_on_its_prefix(engine, tok, server):
+    """The second request edits the first message: it is answered, counted as drift, and
+    the trajectory keeps only its first, consistent turn."""
+    completions = run_agent(drifting_agent, engine, tok, server)
+    for i, c in enumerate(completions):
+        stats = c.extra["agent"]
+        assert stats["drift"] == 1 and stats["turns"] == 1
+        assert stats["metadata"] == {"agent": "drifting"} and stats["reward"] is None
+        assert c.loss_mask == [1] * len(c.response_ids)
+        assert_engine_exact(engine, c, i, tok.eos_token_id)
+
+
+def test_an_endless_agent_is_cut_by_the_budget_or_max_turns(engine, tok, server) -> None:
+    """A completions agent that never stops: the budget cuts it, or --max-turns first."""
+    by_budget = run_agent(endless_agent, engine, tok, server, n=1, budget=12, max_turns=50)
+    for c in by_budget:
+        assert c.extra["agent"]["cut"] == "budget" and c.finish_reason == "length"
+        assert len(c.response_ids) <= 12
+    by_turns = run_agent(endless_agent, engine, tok, server, n=1, budget=400, max_turns=2)
+    for c in by_turns:
+        assert c.extra["agent"]["cut"] == "max_turns" and c.extra["agent"]["turns"] == 2
+        # The agent appended " more" after each answer: the context between turns.
+        (_, end), (nxt, _) = model_turns(c)
+        assert tok.decode(c.response_ids[end:nxt]) == " more"
+
+
+async def _post(server, path, body, *, token=None, key=None, raw=None):
+    headers = {"Authorization": f"Bearer {token or server.token}"}
+    if key:
+        headers[HEADER] = key
+    async with httpx.AsyncClient(base_url=server.base_url) as client:
+        content = raw if raw is not None else json.dumps(body)
+        return await client.post(path, content=content, headers=headers)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "kw", "status", "code"),
+    [
+        ("/chat/completions", {"model": "vime"}, {}, 400, "missing_required_parameter"),
+        ("/completions", {"model": "vime"}, {}, 400, "missing_required_parameter"),
+        ("/chat/completions", {"model": "gpt-4o", "messages": [{}]}, {}, 404, "model_not_found"),
+        ("/chat/completions", {"model": "vime"}, {"token": "wrong"}, 401, "invalid_api_key"),
+        ("/chat/completions", None, {"raw": b"{not json"}, 400, "invalid_json"),
+        (
+            "/chat/completions",
+            {"model": "vime", "messages": [{"role": "user", "content": "x"}], "stream": True},
+            {},
+            400,
+            "unsupported_value",
+        ),
+        (
+            "/completions",
+            {"model": "vime", "prompt": "x"},
+            {"key": "nope"},
+            400,
+            "unknown_trajectory",
+        ),
+        ("/nowhere", {}, {}, 404, None),
+    ],
+)
+def test_a_bad_request_gets_an_openai_shaped_error(server, path, body, kw, status, code) -> None:
+    """Missing messages, unknown model, bad token, bad JSON, streaming, no trajectory."""
+    reply = asyncio.run(_post(server, path, body, **kw))
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "code"} and error["code"] == code
+    assert error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_a_message_the_template_cannot_read_is_a_400(engine, tok, server) -> None:
+    """A malformed message of an open trajectory: OpenAI's 400, the engine never asked."""
+
+    async def go():
+        sample = AgentSample(Prompt(0, "x", None), [1], 0, 0)
+        conversation = Conversation(
+            sample, None, tok, budget=8, max_turns=2, parse=parse_tool_calls, stops=frozenset()
+        )
+        key = server.open(conversation)
+        body = {"model": "vime", "messages": [{"content": "no role"}]}
+        reply = await _post(server, "/chat/completions", body, key=key)
+        server.release(key)
+        return reply, conversation
+
+    reply, conversation = asyncio.run(go())
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_value"
+    assert conversation.requests == 0
