@@ -1,4 +1,5 @@
-"""A tiny chat model that calls a tool, and ``openai``-client agents, for the endpoint tests.
+"""A tiny chat model that calls a tool, and ``openai``-client agents, for the endpoint tests
+(``vime-train --agent-function-path`` loads the agents from this file by its path).
 
 The model is real (a Qwen3 the engines load) with weights set by hand so a tool call is
 likely: every layer's output projections are zero, so the logits depend on the last
@@ -12,9 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
-
-from chat_fixtures import chat_tokenizer
-from tiny_models import tiny_qwen3_config
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 TOOLS = [
@@ -35,6 +33,8 @@ PROMPTS = ["What is 2 + 3?", "Add 2 and 3, please."]
 
 
 def endpoint_tokenizer() -> Any:
+    from chat_fixtures import chat_tokenizer  # here: vime-train loads the agents by path
+
     tok = chat_tokenizer()
     tok.add_tokens([CALL])
     return tok
@@ -43,6 +43,7 @@ def endpoint_tokenizer() -> Any:
 def save_endpoint_model(path: Path, seed: int = 5) -> str:
     """The model and its tokenizer (with the chat template) as an HF folder at ``path``."""
     import torch
+    from tiny_models import tiny_qwen3_config
     from transformers import AutoModelForCausalLM
 
     tok = endpoint_tokenizer()

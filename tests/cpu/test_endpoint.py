@@ -228,3 +228,33 @@ def test_a_message_the_template_cannot_read_is_a_400(engine, tok, server) -> Non
     reply, conversation = asyncio.run(go())
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_value"
     assert conversation.requests == 0
+
+
+def test_agent_flags_are_checked_while_parsing(tmp_path) -> None:
+    """--agent-function-path: an async (sample, client) function, alone among the ways to
+    generate, with a chat tool parser; its settings reach the endpoint."""
+    from vime.config import parse_args
+    from vime.config.rollout_settings import agent_settings
+    from vime.errors import ConfigError
+    from vime.rollout.settings import EndpointSettings
+
+    path = tmp_path / "agents.py"
+    path.write_text(
+        "async def good(sample, client):\n    return 1.0\n"
+        "def sync(sample, client):\n    return 1.0\n"
+        "async def gen(sample, engine):\n    pass\n"
+    )
+    good = ["--agent-function-path", f"{path}:good"]
+    settings = agent_settings(parse_args([*good, "--max-turns", "3", "--endpoint-port", "0"]))
+    assert settings.agent_function == f"{path}:good"
+    assert settings.endpoint == EndpointSettings("127.0.0.1", 0, 3, "auto")
+    refusals = [
+        (["--agent-function-path", f"{path}:sync"], "is not async"),
+        (["--agent-function-path", f"{path}:gen"], "--agent-function-path"),
+        ([*good, "--custom-generate-function-path", f"{path}:gen"], "each generate"),
+        ([*good, "--tool-parser", "plain"], "reads tool calls from chat turns"),
+        ([*good, "--endpoint-port", "70000"], "--endpoint-port must be in"),
+    ]
+    for argv, message in refusals:
+        with pytest.raises(ConfigError, match=message):
+            parse_args(argv)

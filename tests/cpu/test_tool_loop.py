@@ -267,8 +267,8 @@ def test_build_agent_refusals_and_choices(chat, chars, tmp_path: Path) -> None:
     path = tmp_path / "gen.py"
     path.write_text("async def gen(sample, engine):\n    pass\n")
     both = (
-        "--tools and --custom-generate-function-path both generate the trajectories; "
-        "give one (a custom function can run tools itself)"
+        "--tools and --custom-generate-function-path each generate the trajectories; "
+        "give one (a custom function or an agent can run tools itself)"
     )
     with pytest.raises(ConfigError, match=f"^{re.escape(both)}$"):
         parse_args(
@@ -446,7 +446,7 @@ def test_plain_parser_reads_a_chat_model_as_raw_text(chat, box, tools_spec, tmp_
     assert chat.decode(env) == "3.14159="
 
 
-ONLY_TOOLS = "--tool-parser {p} applies only to the tool loop of --tools; "
+ONLY_TOOLS = "--tool-parser {p} applies only to --tools and --agent-function-path; "
 
 
 @pytest.mark.parametrize(

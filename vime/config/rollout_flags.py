@@ -13,7 +13,7 @@ import argparse
 from vime.config.flag_types import non_negative_int, positive_int
 from vime.ray import transport_names
 from vime.rollout.engines import registry as engine_registry
-from vime.rollout.settings import ToolLoopSettings, ToolSettings
+from vime.rollout.settings import EndpointSettings, ToolLoopSettings, ToolSettings
 from vime.rollout.tools import parsers as tool_parsers
 
 # The engines' names and their own flags come from vime.rollout.engines.registry, the weight
@@ -199,18 +199,38 @@ def add_agent_flags(p: argparse._ArgumentGroup) -> None:
         "multi-turn generation in place of the tool loop",
     )
     p.add_argument(
+        "--agent-function-path",
+        default=None,
+        metavar="MODULE:FN",
+        help="async fn(sample, client) -> float | dict: agent code written against the "
+        "openai client, given an AsyncOpenAI on an OpenAI-compatible endpoint over the "
+        "run's engines that records each trajectory as token ids (docs/agents.md)",
+    )
+    p.add_argument(
+        "--endpoint-host",
+        default=EndpointSettings.host,
+        help="--agent-function-path: the address the endpoint listens on",
+    )
+    p.add_argument(
+        "--endpoint-port",
+        type=int,
+        default=EndpointSettings.port,
+        help="--agent-function-path: the endpoint's port (0: a free one)",
+    )
+    p.add_argument(
         "--max-turns",
         type=positive_int,
         default=ToolLoopSettings.max_turns,
         help="--tools: model turns per trajectory at most (one that still calls a tool "
-        "is cut there)",
+        "is cut there); --agent-function-path: requests per trajectory at most",
     )
     parsers = "; ".join(f"{s.name}: {s.summary}" for s in tool_parsers.PARSERS.values())
     p.add_argument(
         "--tool-parser",
         choices=tool_parsers.tool_parser_choices(),
         default=None,
-        help=f"--tools: how a model turn's calls are read. {parsers}; auto (default): "
+        help=f"--tools, --agent-function-path: how a model turn's calls are read. {parsers}; "
+        "auto (default): "
         "hermes with a chat template, a turn without <tool_call> read as llama3_json, "
         "else plain",
     )

@@ -20,6 +20,7 @@ from vime.errors import ConfigError
 from vime.rollout.rewards import RewardSettings, load_custom_reward, reward_source
 from vime.rollout.settings import (
     AgentSettings,
+    EndpointSettings,
     RolloutSettings,
     SamplingSettings,
     ToolLoopSettings,
@@ -94,7 +95,15 @@ def tool_loop_settings(args: argparse.Namespace) -> ToolLoopSettings:
     )
 
 
+def endpoint_settings(args: argparse.Namespace) -> EndpointSettings:
+    """The OpenAI endpoint of ``--agent-function-path``; ``ConfigError`` for a bad value."""
+    return EndpointSettings(
+        args.endpoint_host, args.endpoint_port, args.max_turns, args.tool_parser
+    )
+
+
 def agent_settings(args: argparse.Namespace) -> AgentSettings:
+    agent_function = args.agent_function_path
     return AgentSettings(
         generate_function=args.custom_generate_function_path,
         tools=args.tools,
@@ -102,4 +111,6 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
         apply_chat_template=args.apply_chat_template,
         budget=args.rollout_max_response_len,
         stop_token_ids=tuple(args.rollout_stop_token_ids),
+        agent_function=agent_function,
+        endpoint=endpoint_settings(args) if agent_function else None,
     )

@@ -383,10 +383,19 @@ def _check_agent(args: argparse.Namespace) -> None:
         implied = getattr(get_task(task), "tools", "")
         if implied and args.tools is None and args.custom_generate_function_path is None:
             args.tools = implied
-    if args.tools is not None and args.custom_generate_function_path is not None:
+    given = [
+        flag
+        for flag, value in (
+            ("--tools", args.tools),
+            ("--custom-generate-function-path", args.custom_generate_function_path),
+            ("--agent-function-path", args.agent_function_path),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
         raise ConfigError(
-            "--tools and --custom-generate-function-path both generate the trajectories; "
-            "give one (a custom function can run tools itself)"
+            f"{' and '.join(given)} each generate the trajectories; give one (a custom "
+            "function or an agent can run tools itself)"
         )
     _check_tool_parser(args)
     if args.tools is not None:
@@ -400,6 +409,12 @@ def _check_agent(args: argparse.Namespace) -> None:
         from vime.rollout.agent import load_generate_function
 
         load_generate_function(args.custom_generate_function_path)
+    if args.agent_function_path is not None:
+        from vime.config.rollout_settings import endpoint_settings
+        from vime.rollout.endpoint.agent import load_agent_function
+
+        endpoint_settings(args)  # the endpoint's values, checked at parse time
+        load_agent_function(args.agent_function_path)
 
 
 def _check_tool_parser(args: argparse.Namespace) -> None:
@@ -412,14 +427,23 @@ def _check_tool_parser(args: argparse.Namespace) -> None:
     args.tool_parser = name or tool_parsers.AUTO
     if name is None:
         return
-    if args.tools is None:
+    if args.tools is None and args.agent_function_path is None:
         why = (
             "a --custom-generate-function-path function reads its own turns"
             if args.custom_generate_function_path is not None
             else "add --tools MODULE:NAME, or drop it"
         )
-        raise ConfigError(f"--tool-parser {name} applies only to the tool loop of --tools; {why}")
+        raise ConfigError(
+            f"--tool-parser {name} applies only to --tools and --agent-function-path; {why}"
+        )
     if name == tool_parsers.AUTO:
+        return
+    if args.agent_function_path is not None:
+        if not tool_parsers.get_tool_parser(name).chat:
+            raise ConfigError(
+                f"--tool-parser {name}: the endpoint reads tool calls from chat turns; use "
+                "hermes, llama3_json or auto"
+            )
         return
     if not tool_parsers.get_tool_parser(name).chat:
         if args.apply_chat_template:

@@ -309,8 +309,9 @@ class RolloutManager:
                         "--max-staleness, give --no-use-tis)"
                     )
                 ok = reward is not None
-                tokens.append(group.prompt_ids + list(completion.response_ids))
-                prompt_lengths.append(len(group.prompt_ids))
+                # Its own prompt: an endpoint agent's trajectory follows the prompt it rendered.
+                tokens.append(list(completion.prompt_ids) + list(completion.response_ids))
+                prompt_lengths.append(len(completion.prompt_ids))
                 mask = completion.loss_mask or [1] * len(completion.response_ids)
                 masks.append([m * int(ok) for m in mask])
                 logps.append(list(completion.log_probs))

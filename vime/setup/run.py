@@ -60,7 +60,9 @@ def build_run(args: Config, startup: perf.StartupClock | None = None) -> RunPart
             _loaded_data_position(settings.load, actors) if actors.start_rollout > 0 else None
         )
         clock = PhaseClock()  # the driver's phases, the reward's among them
-        manager = build_manager(settings, model, prompts, actors, scorer, clock, position, console)
+        manager = build_manager(
+            settings, model, prompts, actors, scorer, clock, position, console, closer
+        )
         producer = build_producer(settings, manager, actors, cluster.layout, position, closer)
         transport = make_transport(
             settings.sync, cluster.use_gpu, actors.train_group, actors.engines
@@ -97,9 +99,14 @@ def build_manager(
     clock: PhaseClock,
     position: dict[str, Any] | None,
     console: Console,
+    closer: Closer,
 ) -> RolloutManager:
     """The rollout manager (its reward timed on ``clock``), at the data ``position`` the
-    checkpoint ``--load`` resumes from was saved with, if any."""
+    checkpoint ``--load`` resumes from was saved with, if any; its multi-turn agent
+    released with the run (``--agent-function-path``'s endpoint stops)."""
+    agent = build_agent(settings.agent, model.tokenizer, actors.engines, model.toolbox)
+    if agent is not None:
+        closer.callback(agent.close)
     manager = RolloutManager(
         settings.rollout,
         actors.engines,
@@ -109,7 +116,7 @@ def build_manager(
         prompts.ids,
         is_correct=model.task.is_correct if model.task else None,
         warn=console.say,
-        agent=build_agent(settings.agent, model.tokenizer, actors.engines, model.toolbox),
+        agent=agent,
     )
     if position is not None:
         manager.load_state_dict(position)

@@ -259,9 +259,14 @@ class ToolLoop:
 def build_agent(
     settings: AgentSettings, tokenizer: Any, engines: Any, toolbox: Toolbox | None
 ) -> AgentRollouts | None:
-    """The run's multi-turn generation: ``--custom-generate-function-path``, the tool
-    loop over ``toolbox`` (``--tools``), or None for one engine call per prompt."""
+    """The run's multi-turn generation: ``--agent-function-path`` (its endpoint started:
+    the caller closes it), ``--custom-generate-function-path``, the tool loop over
+    ``toolbox`` (``--tools``), or None for one engine call per prompt."""
     budget = settings.budget
+    if settings.agent_function is not None:
+        from vime.rollout.endpoint.agent import build_endpoint_agent  # fastapi, openai
+
+        return build_endpoint_agent(settings, tokenizer, engines)
     spec = settings.generate_function
     if spec is not None:
         return AgentRollouts(load_generate_function(spec), engines, budget, name=spec)
