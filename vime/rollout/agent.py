@@ -226,15 +226,22 @@ async def _reference_generate(sample: AgentSample, engine: EngineHandle) -> Traj
 
 def load_generate_function(spec: str) -> GenerateFn:
     """``--custom-generate-function-path MODULE:FN``: an ``async def fn(sample, engine)``."""
+    return load_async_function(spec, "--custom-generate-function-path", _reference_generate)
+
+
+def load_async_function(spec: str, flag: str, expected: Callable[..., Any]) -> Any:
+    """The ``async`` function ``flag`` names by ``spec`` (``MODULE:FN``), taking
+    ``expected``'s parameters; a one-line ConfigError otherwise."""
     try:
-        fn = load_function(spec, expected=_reference_generate)
+        fn = load_function(spec, expected=expected)
     except ValueError as err:
-        raise ConfigError(f"--custom-generate-function-path {spec}: {err}") from None
+        raise ConfigError(f"{flag} {spec}: {err}") from None
     call = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
     if not inspect.iscoroutinefunction(call):
+        params = ", ".join(inspect.signature(expected).parameters)
         raise ConfigError(
-            f"--custom-generate-function-path {spec}: {getattr(fn, '__name__', fn)} is not "
-            "async; define it with 'async def fn(sample, engine)'"
+            f"{flag} {spec}: {getattr(fn, '__name__', fn)} is not async; define it with "
+            f"'async def fn({params})'"
         )
     return fn
 

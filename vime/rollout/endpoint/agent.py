@@ -16,13 +16,16 @@ the agent (its task is cancelled) and is scored by the run's reward.
 from __future__ import annotations
 
 import asyncio
-import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from vime.algo.custom import load_function
-from vime.errors import ConfigError
-from vime.rollout.agent import AgentRollouts, AgentSample, EngineHandle, Trajectory
+from vime.rollout.agent import (
+    AgentRollouts,
+    AgentSample,
+    EngineHandle,
+    Trajectory,
+    load_async_function,
+)
 from vime.rollout.endpoint.capture import Conversation
 from vime.rollout.endpoint.server import HEADER, EndpointServer
 
@@ -36,17 +39,7 @@ async def _reference_agent(sample: AgentSample, client: Any) -> float:
 
 def load_agent_function(spec: str) -> AgentFn:
     """``--agent-function-path MODULE:FN``: an ``async def fn(sample, client)``."""
-    try:
-        fn = load_function(spec, expected=_reference_agent)
-    except ValueError as err:
-        raise ConfigError(f"--agent-function-path {spec}: {err}") from None
-    call = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else type(fn).__call__
-    if not inspect.iscoroutinefunction(call):
-        raise ConfigError(
-            f"--agent-function-path {spec}: {getattr(fn, '__name__', fn)} is not async; "
-            "define it with 'async def fn(sample, client)'"
-        )
-    return fn
+    return load_async_function(spec, "--agent-function-path", _reference_agent)
 
 
 class EndpointAgent:

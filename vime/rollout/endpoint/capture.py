@@ -24,6 +24,7 @@ and cuts the trajectory (``cut`` "max_turns" / "budget"); the agent is then stop
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,11 +117,21 @@ class Conversation:
         self.on_cut: Callable[[], object] = lambda: None
         self.stopped = False  # cut: on_cut has run
         self.error: BaseException | None = None
+        self._one_at_a_time = asyncio.Lock()
 
     # ----------------------------------------------------------- the two request kinds
 
     async def chat(self, body: dict[str, Any]) -> tuple[Turn, str, list[ToolCall], str | None]:
         """A chat request: the turn, its text, its tool calls and the content shown."""
+        async with self._one_at_a_time:  # concurrent requests of one trajectory queue
+            return await self._chat(body)
+
+    async def complete(self, body: dict[str, Any]) -> tuple[Turn, str]:
+        """A completions request (a prompt string or token ids): the turn and its text."""
+        async with self._one_at_a_time:
+            return await self._complete(body)
+
+    async def _chat(self, body: dict[str, Any]) -> tuple[Turn, str, list[ToolCall], str | None]:
         messages = [normalize(m) for m in body["messages"]]
         tools = body.get("tools") or []
         ids, context = self._chat_ids(messages, tools)
@@ -137,8 +148,7 @@ class Conversation:
             self.messages = [*messages, normalize(reply)]
         return turn, text, calls, content
 
-    async def complete(self, body: dict[str, Any]) -> tuple[Turn, str]:
-        """A completions request (a prompt string or token ids): the turn and its text."""
+    async def _complete(self, body: dict[str, Any]) -> tuple[Turn, str]:
         prompt = body["prompt"]
         ids, context = self._completion_ids(prompt)
         turn = await self._generate(ids, context, body)
@@ -165,9 +175,11 @@ class Conversation:
             fresh = renderer.prompt_ids
             if self.frozen:
                 return fresh(messages), None
-            if self.messages is None:
+            if self.prompt is None:
                 self.renderer, self.tools_key = renderer, key
                 return self._start(fresh(messages))
+            if self.messages is None:  # a chat request after completions ones
+                return self._drift(fresh(messages))
             n = len(self.messages)
             if key != self.tools_key or messages[:n] != self.messages:
                 return self._drift(fresh(messages))
