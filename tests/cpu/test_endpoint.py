@@ -272,3 +272,21 @@ def test_agent_flags_are_checked_while_parsing(tmp_path) -> None:
     for argv, message in refusals:
         with pytest.raises(ConfigError, match=message):
             parse_args(argv)
+
+
+def test_an_agent_that_raises_or_returns_junk_stops_the_rollout(engine, tok, server) -> None:
+    """The agent's own error, or a return value that is no reward, fails the rollout
+    naming it; its trajectory is released from the endpoint either way."""
+
+    async def raises(sample, client):
+        await client.completions.create(model="vime", prompt="x", max_tokens=2)
+        raise ValueError("the agent broke")
+
+    async def junk(sample, client):
+        return "five"
+
+    with pytest.raises(ValueError, match="the agent broke"):
+        run_agent(raises, engine, tok, server, n=1)
+    with pytest.raises(TypeError, match="returned str; expected a float reward"):
+        run_agent(junk, engine, tok, server, n=1)
+    assert not server._conversations

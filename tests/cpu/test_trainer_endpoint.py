@@ -3,7 +3,8 @@
 Proves, on real processes (two fsdp2 ranks, a tiny chat model that calls a tool): an
 ``openai``-client agent trains unchanged -- its endpoint starts with the run, the
 trajectories it captured are trained (the agent metrics logged, tool calls among
-them, no drift), the engines' weights stay in sync, and the run ends cleanly.
+them, no drift), the engines' weights stay in sync, and the run ends cleanly; with
+``--max-staleness 1`` too.
 """
 
 from __future__ import annotations
@@ -39,10 +40,14 @@ def _agent_run(tmp_path: Path, *extra: str) -> list[dict]:
     return rows
 
 
-def test_an_openai_agent_trains_on_the_hf_engine(tmp_path: Path) -> None:
-    _agent_run(tmp_path)
+def test_an_openai_agent_trains_on_the_hf_engine_asynchronously(tmp_path: Path) -> None:
+    """On the hf engine with --max-staleness 1: the producer's calls, each in a thread and
+    event loop of its own, share the one endpoint."""
+    rows = _agent_run(tmp_path, "--max-staleness", "1")
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
 
 
 def test_an_openai_agent_trains_on_vllm(tmp_path: Path) -> None:
+    """On vLLM (CPU), where it imports, synchronously."""
     pytest.importorskip("vllm")
     _agent_run(tmp_path, "--rollout-engine", "vllm")

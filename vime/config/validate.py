@@ -410,11 +410,24 @@ def _check_agent(args: argparse.Namespace) -> None:
 
         load_generate_function(args.custom_generate_function_path)
     if args.agent_function_path is not None:
-        from vime.config.rollout_settings import endpoint_settings
-        from vime.rollout.endpoint.agent import load_agent_function
+        _check_agent_function(args)
 
-        endpoint_settings(args)  # the endpoint's values, checked at parse time
-        load_agent_function(args.agent_function_path)
+
+def _check_agent_function(args: argparse.Namespace) -> None:
+    """``--agent-function-path``: the endpoint's packages are there, its settings in range
+    and the function imports, now rather than when the run starts."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "openai") if not importlib.util.find_spec(m)]
+    if missing:
+        raise ConfigError(
+            f"--agent-function-path needs {', '.join(missing)}: pip install -e '.[agents]'"
+        )
+    from vime.config.rollout_settings import endpoint_settings
+    from vime.rollout.endpoint.agent import load_agent_function
+
+    endpoint_settings(args)  # the endpoint's values, checked at parse time
+    load_agent_function(args.agent_function_path)
 
 
 def _check_tool_parser(args: argparse.Namespace) -> None:

@@ -140,8 +140,9 @@ class Conversation:
         calls = self.parse(text) if tools else []
         calls = [] if isinstance(calls, ParseError) else calls
         content: str | None = text
-        if calls:
-            content = text.split(TOOL_CALL_OPEN, 1)[0].strip() or None
+        if calls:  # the text before the calls (a bare JSON call turn has none)
+            before = text.split(TOOL_CALL_OPEN, 1)[0] if TOOL_CALL_OPEN in text else ""
+            content = before.strip() or None
         if context is not None:
             self.traj.tool_calls += len(calls)
             reply = {"role": "assistant", "content": content, "tool_calls": _openai_calls(calls)}
