@@ -7,7 +7,9 @@ and nudges between turns are the template's tail (mask 0), never re-tokenized mo
 text, on vLLM as on hf; tool calls come back in OpenAI's ``tool_calls`` form and the reward is the
 agent's float; a drifting agent (it edits earlier context) is served, counted, and
 trained on its last consistent prefix; an agent that never stops is cut by the budget
-or ``--max-turns`` and stopped; and every bad request gets OpenAI's error shape.
+or ``--max-turns`` and stopped; an agent that raises or returns no reward fails the
+rollout; every bad request gets OpenAI's error shape; and the flags are checked while
+parsing.
 """
 
 from __future__ import annotations

@@ -428,6 +428,25 @@ def test_trajectories_train_the_models_tokens_and_reward_the_final_answer(
     assert metrics["agent/model_tokens_mean"] == pytest.approx(5 + 2.5)
 
 
+def test_a_trajectory_with_its_own_prompt_trains_after_it(tmp_path, tokenizer) -> None:
+    """A generate function that rendered its own prompt (the OpenAI endpoint's agents,
+    one per sample) has each sample trained after its prompt, not its group's first."""
+    eos = tokenizer.eos_token_id
+
+    async def gen(sample, engine):
+        traj = Trajectory(reward=1.0 if sample.sample_index else 0.0)
+        traj.prompt_ids = [*sample.prompt_ids, *[eos] * sample.sample_index]
+        traj.add_turn(Turn([eos], [-0.5], "stop"))
+        return traj
+
+    manager, _ = _setup(tmp_path, tokenizer, [RIGHT] * 2, "--rm-type", "exact", agent_fn=gen)
+    batch, _ = manager.generate(0)
+    for k, (tokens, length) in enumerate(zip(batch.tokens, batch.prompt_lengths, strict=True)):
+        extra = k % N
+        assert tokens[length - extra : length] == [eos] * extra and tokens[length:] == [eos]
+        assert batch.loss_masks[k] == [1]
+
+
 def test_default_num_rollout_is_what_over_sampling_can_feed(tmp_path, tokenizer) -> None:
     """With --over-sampling-factor 1.5 a rollout of 2 groups draws 3 prompts: the default
     run length over 12 prompts is 4 rollouts, every one of them full, not 12 / 2 = 6."""
