@@ -218,3 +218,37 @@ def test_a_ray_the_run_starts_itself_serves_on_loopback_only() -> None:
     assert local[1]["node"] == "127.0.0.1" and local[1]["gcs"].startswith("127.0.0.1:")
     joined = run("--ray-address", "10.255.255.1:6379")  # parsed only: nothing is joined
     assert joined == [{"var": None}]
+
+
+OTHER_CLUSTER_CHECK = """
+import json
+from ray.cluster_utils import Cluster
+other = Cluster(initialize_head=True, connect=False, head_node_args={
+    "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+import ray
+from vime.ray.cluster import start_ray, stop_ray
+try:
+    start_ray(None, 1)
+    print(json.dumps({"other": other.address, "gcs": ray.get_runtime_context().gcs_address}))
+    stop_ray()
+finally:
+    other.shutdown()
+"""
+
+
+def test_a_run_without_an_address_starts_its_own_ray_beside_another() -> None:
+    """A Ray cluster already up on the machine (``ray start``, another job's) is not
+    joined by a run given no address: it starts its own (before the fix ``ray.init``
+    joined the other one and refused ``num_cpus``)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run(
+        [sys.executable, "-c", OTHER_CLUSTER_CHECK],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("{")))
+    assert got["gcs"] != got["other"], got

@@ -77,8 +77,12 @@ def start_ray(address: str | None, min_cpus: int) -> None:
         # would wait for a fresh process (~1.5 s on two cores) instead of taking one ready.
         # The "ray" logger at WARNING: a local start's INFO line ("Started a local Ray
         # instance") tells the user nothing they did not ask for.
+        # address="local": a new Ray of this run's own. Without it ray.init joins the
+        # last cluster `ray start` left on the machine (or another job's), if any, and
+        # then refuses num_cpus.
         with _environment(env_vars):
             init_local_ray(
+                address="local",
                 num_cpus=cpus,
                 include_dashboard=False,
                 log_to_driver=True,
