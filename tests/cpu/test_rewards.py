@@ -10,7 +10,9 @@ given no label fails the sample instead of matching the text "None", and
 a list label (verl-style data) as any-of and scores a response cut off inside
 ``<think>`` 0, and is refused at start-up, naming the install line, where
 math-verify is not installed; that the remote client retries 500s until success, does not
-retry a 400, gives up on a server that never answers or a closed port; that
+retry a 400, gives up on a server that never answers or a closed port, and under load
+against a service failing a third of its requests scores every sample once, with the
+score its key was given, or masks and counts it after its last retry; that
 ``score_sync`` works inside a running event loop; and that bad reward flags
 (unimportable or wrongly shaped function, no reward for file data,
 conflicting flags) fail in ``parse_args`` with a one-line ConfigError naming
@@ -20,17 +22,23 @@ the culprit. The remote service is a real local HTTP server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import random
 import socket
 import textwrap
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.cpu.test_rollout_manager import IDENTITY_ADVANTAGE, _setup
 from vime.algo.custom import load_function
 from vime.config import ConfigError, parse_args
 from vime.config.rollout_settings import reward_settings
+from vime.data.tasks import CHARSET
+from vime.models.embedded import build_tokenizer
 from vime.rollout.rewards import (
     RewardError,
     RewardInput,
@@ -399,3 +407,112 @@ def test_math_without_math_verify_is_refused_at_start_up(tmp_path, monkeypatch) 
     assert "math-verify" in message and "pip install -e '.[agents]'" in message
     assert "\n" not in message
     assert parse_args(["--prompt-data", str(data), "--rm-type", "exact"]).rm_type == "exact"
+
+
+# ---------------------------------------------------------------- remote, under faults
+
+FAULT_TIMEOUT_S = 0.5  # --rm-timeout of the run under faults
+FAULT_STALL_S = 0.8  # a stalled request is answered this late: after the client gave up
+FAULTS = ("drop", "error", "stall")  # each a ninth of the requests: a third fail
+
+
+class _FaultyHandler(_Handler):
+    """A reward service that fails a third of its requests: drops the connection halfway
+    through the request, answers 500 or 503, or stalls past the timeout; else scores.
+
+    It keys requests by their ``Idempotency-Key``: a key it has scored is answered
+    from what it answered before (a replay), never scored again; ``answered`` counts
+    each key's 200s, replays included.
+    """
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        server = self.server
+        key = self.headers["Idempotency-Key"]
+        size = int(self.headers["Content-Length"])
+        with server.lock:
+            draw = server.rng.random()
+            fault = FAULTS[int(draw * 9)] if draw < 1 / 3 else None
+            server.log.setdefault(key, []).append(fault or "ok")
+        if fault == "drop":
+            self.rfile.read(size // 2)
+            self.connection.shutdown(socket.SHUT_RDWR)  # the rest of the request unread
+            self.close_connection = True
+            return
+        body = json.loads(self.rfile.read(size))
+        if body["sample_id"] != key:
+            server.log[key].append("another sample_id")
+        if fault == "error":
+            self._reply(500 if draw < 1 / 6 else 503, {"error": "busy"})
+        elif fault == "stall":
+            time.sleep(FAULT_STALL_S)
+            with contextlib.suppress(OSError):  # the client has gone
+                self._reply(503, {"error": "gave up"})  # what a proxy says to nobody
+        else:
+            with server.lock:
+                if key not in server.scores:
+                    server.scores[key] = round(server.rng.random(), 6)
+                    server.content[key] = (body["prompt"], body["response"])
+                server.answered[key] = server.answered.get(key, 0) + 1  # replays too
+                score = server.scores[key]
+            self._reply(200, {"reward": score})
+
+
+class _Backlogged(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # http.server's 5 drops connections a loaded service takes
+
+
+@pytest.fixture
+def faulty_server():
+    httpd = _Backlogged(("127.0.0.1", 0), _FaultyHandler)
+    httpd.lock, httpd.rng = threading.Lock(), random.Random(34)
+    httpd.log, httpd.scores, httpd.answered, httpd.content = {}, {}, {}, {}
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_remote_faults_under_load_score_each_sample_once(faulty_server, tmp_path) -> None:
+    """1,000 samples through the rollout's own scoring (``RolloutManager.generate``) against
+    a service failing a third of its requests: each sample is scored with the one score the
+    service gave its key, or masked after exactly --rm-max-retries + 1 failed attempts, and
+    the masked count is the metric's. Without one key per sample over its retries, the keys
+    would outnumber the samples."""
+    prompts, n, retries = 250, 4, 3
+    tokenizer = build_tokenizer(CHARSET)
+    script = [[f"r{i} {j}" for j in range(n)] for i in range(prompts)]
+    (tmp_path / "adv.py").write_text(IDENTITY_ADVANTAGE)  # advantage = reward: readable
+    flags = ["--rm-url", _url(faulty_server, "/score"), "--rm-timeout", str(FAULT_TIMEOUT_S)]
+    flags += ["--rm-max-retries", str(retries), "--rollout-batch-size", str(prompts)]
+    flags += ["--global-batch-size", str(prompts * n)]
+    flags += ["--custom-advantage-function-path", f"{tmp_path / 'adv.py'}:advantages"]
+    manager, _ = _setup(tmp_path, tokenizer, script, *flags)
+    batch, metrics = manager.generate(0)
+    manager.scorer.close()
+
+    log, scores = faulty_server.log, faulty_server.scores
+    assert len(log) == prompts * n  # one key per sample, the same on all its attempts
+    # One 200 per scored sample: no retry once answered, so no replay was needed either.
+    assert set(faulty_server.answered.values()) == {1}
+    by_text = {text: key for key, text in faulty_server.content.items()}
+    masked = 0
+    for tokens, start, mask, advantage in zip(
+        batch.tokens, batch.prompt_lengths, batch.loss_masks, batch.advantages, strict=True
+    ):
+        text = (tokenizer.decode(tokens[:start]), tokenizer.decode(tokens[start:-1]))
+        key = by_text.get(text)
+        if key is None:  # never answered 200: masked after every attempt failed
+            masked += 1
+            assert set(mask) == {0} and advantage == 0.0
+            continue
+        assert set(mask) == {1} and advantage == scores[key], text
+        assert log[key][-1] == "ok" and "ok" not in log[key][:-1], log[key]
+    unscored = [attempts for key, attempts in log.items() if key not in scores]
+    assert len(unscored) == masked > 0
+    assert all(len(a) == retries + 1 and "ok" not in a for a in unscored), unscored
+    assert max(len(a) for a in log.values()) == retries + 1
+    assert {f for a in log.values() for f in a} == {"ok", *FAULTS}
+    assert metrics["rollout/reward_failures"] == masked

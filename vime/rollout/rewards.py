@@ -9,10 +9,14 @@ broken choice fails at start-up, not after the first generation. In order of
 precedence:
 
 ``--rm-url URL``
-    POST ``{"prompt", "response", "label", "metadata", "trajectory"}`` (JSON) per sample;
-    the answer is a JSON number or ``{"reward": number}``. Connection errors,
-    timeouts, 5xx and 429 are retried ``--rm-max-retries`` times with
-    exponential backoff; any other 4xx fails at once.
+    POST ``{"prompt", "response", "label", "metadata", "trajectory", "sample_id"}``
+    (JSON) per sample; the answer is a JSON number or ``{"reward": number}``. Dropped
+    connections, attempts not answered within ``--rm-timeout``, 5xx and 429 are
+    retried ``--rm-max-retries`` times with exponential backoff; any other 4xx fails
+    at once. Every attempt for one sample carries the same ``sample_id``, also sent as
+    the ``Idempotency-Key`` header: a retry after an answer that was lost on the way
+    (or came too late) is the same request again, which a server can answer from
+    what it answered before instead of scoring the sample twice.
 ``--custom-rm-path MODULE:FN``
     A user function, sync or ``async``, called positionally as
     ``fn(args, sample: RewardInput) -> float``, or with ``--group-rm`` once per
@@ -55,6 +59,7 @@ import math
 import numbers
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +72,7 @@ MAX_CONCURRENCY = 32  # reward calls in flight at once (threads, requests)
 MAX_KEPT_FAILURES = 5
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
+IDEMPOTENCY_HEADER = "Idempotency-Key"  # a remote reward's sample id, on every attempt
 _NO_LABEL = "the prompt has no label to compare with (see --label-key)"
 
 TaskReward = Callable[[str, Any], float]
@@ -270,10 +276,9 @@ class _RemoteReward:
     def __init__(self, url: str, timeout: float, max_retries: int, threads: _Threads) -> None:
         self.url, self.timeout, self.max_retries, self.threads = url, timeout, max_retries, threads
 
-    def _post(self, body: bytes) -> bytes:
-        request = urllib.request.Request(
-            self.url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-        )
+    def _post(self, body: bytes, key: str) -> bytes:
+        headers = {"Content-Type": "application/json", IDEMPOTENCY_HEADER: key}
+        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as reply:
                 return reply.read()
@@ -285,12 +290,15 @@ class _RemoteReward:
             raise RewardError(message) from None
 
     async def __call__(self, sample: RewardInput) -> Any:
+        # One key per sample, the same on each of its attempts (the server's dedup key).
+        key = uuid.uuid4().hex
         payload = {
             "prompt": sample.prompt,
             "response": sample.response,
             "label": sample.label,
             "metadata": sample.metadata,
             "trajectory": sample.trajectory,
+            "sample_id": key,
         }
         body = json.dumps(payload, default=str).encode()
         last = ""
@@ -299,7 +307,7 @@ class _RemoteReward:
                 await asyncio.sleep(min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
             try:
                 # urlopen's timeout is per socket read; wait_for bounds the whole call.
-                raw = await asyncio.wait_for(self.threads.run(self._post, body), self.timeout)
+                raw = await asyncio.wait_for(self.threads.run(self._post, body, key), self.timeout)
             except TimeoutError:
                 last = f"no answer from {self.url} within {self.timeout} s (--rm-timeout)"
             except (_Retry, OSError, http.client.HTTPException) as err:
