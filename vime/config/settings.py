@@ -13,6 +13,7 @@ dataclasses live beside the components that take them; the conversions live here
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from vime.config.cluster_settings import cluster_settings
@@ -82,7 +83,28 @@ def actor_settings(args: argparse.Namespace) -> ActorSettings:
         weight_sync=args.weight_sync,
         engines=engine_settings(args),
         train=train_settings(args),
+        rank_folders=rank_folders(args),
     )
+
+
+def rank_folders(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The folders the training ranks read or write, as ``(flag, folder)``: the checkpoint
+    folders, the exports, and the output folder where the ranks use it (the embedded
+    model and its export live there, or ``--weight-sync disk`` passes the weights)."""
+    out = os.path.abspath(args.output_dir) if args.output_dir else None
+    inside = [args.hf_checkpoint, args.save_hf, args.save_hf_merged]
+    uses_out = out is not None and (
+        args.weight_sync == "disk"
+        or any(p and os.path.abspath(p).startswith(out + os.sep) for p in inside)
+    )
+    named = [
+        ("--output-dir", out if uses_out else None),
+        ("--save", args.save),
+        ("--load", args.load),
+        ("--save-hf", args.save_hf),
+        ("--save-hf-merged", args.save_hf_merged),
+    ]
+    return tuple((flag, folder) for flag, folder in named if folder)
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:

@@ -28,6 +28,7 @@ import ray
 
 from vime import device as vime_device
 from vime import perf, profiling
+from vime.ray import folders
 from vime.ray.errors import label_actor, wait_all
 from vime.ray.placement import Placement, pin_process, process_cores
 from vime.ray.transports import transport_class
@@ -96,6 +97,11 @@ class TrainWorker:
     def cpu_cores(self) -> list[int]:
         """The CPU cores this rank's process may run on, over all its threads."""
         return process_cores()
+
+    def see_folders(self, markers: folders.Markers) -> tuple[str, str, list[str]]:
+        """This rank's node (id, IP) and the flags whose driver's marker it cannot read."""
+        context = ray.get_runtime_context()
+        return context.get_node_id(), ray.util.get_node_ip_address(), folders.unseen(markers)
 
     def peak(self) -> perf.Peak:
         """This rank's peak FLOP/s, measured at the first call: the driver asks every rank
@@ -176,6 +182,8 @@ class RayTrainGroup:
             for rank in range(self.world)
         ]
         self._init_refs: list[Any] = []
+        self._folder_check: tuple[Any, ...] = ({}, {}, [])
+        self.rank_nodes: list[str] = []  # each rank's Ray node id, once initialised
         self.init_done_at: float | None = None
 
     def submit(self, method: str, *args: Any) -> list[Any]:
@@ -185,16 +193,41 @@ class RayTrainGroup:
     def _all(self, what: str, method: str, *args: Any) -> list[Any]:
         return wait_all(self.submit(method, *args), what)
 
+    def check_folders(self, rank_folders: Sequence[tuple[str, str]]) -> list[str]:
+        """Refuse (``ConfigError``, one line) a ``(flag, folder)`` some rank does not see as
+        the driver does (``vime.ray.folders``); returns each rank's node id, in rank order."""
+        return self._folders_seen(*self._show_folders(rank_folders))
+
+    def _show_folders(self, rank_folders: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
+        """Write the markers and ask every rank to read them (answers not waited for)."""
+        markers = folders.write_markers(rank_folders)
+        return markers, dict(rank_folders), self.submit("see_folders", markers)
+
+    def _folders_seen(self, markers: folders.Markers, where: dict[str, str], refs: list) -> list:
+        try:
+            seen = wait_all(refs, "checking the ranks' folders")
+        finally:
+            folders.remove_markers(markers)
+        for rank, (node_id, ip, missing) in enumerate(seen):
+            if missing:
+                node = f"{ip} (Ray node {node_id[:12]})"
+                raise folders.refusal(missing[0], where[missing[0]], rank, node)
+        return [node_id for node_id, _, _ in seen]
+
     def start_init(
         self,
         settings: TrainSettings,
         num_threads: int,
         cpu_cores: Sequence[Sequence[int]] | None = None,
+        rank_folders: Sequence[tuple[str, str]] = (),
     ) -> None:
         """Start every rank's initialisation and return at once: the driver starts the
         engines meanwhile. Rank 0's address (the process group's master) goes to the
         ranks as a ref, which Ray resolves before their ``init`` runs. ``cpu_cores``: each
-        rank's own cores, or None to leave placement to the OS."""
+        rank's own cores, or None to leave placement to the OS. ``rank_folders``: checked
+        as ``check_folders`` does, before each rank's ``init`` (a rank runs its calls in
+        order); ``finish_init`` refuses a folder a rank does not see."""
+        self._folder_check = self._show_folders(rank_folders)
         master = self.workers[0].address.remote()
         self._init_refs = [
             w.init.remote(
@@ -207,6 +240,7 @@ class RayTrainGroup:
         """Wait for ``start_init``'s ranks; returns the rollout the run starts at. Sets
         ``init_done_at``: when the last rank was done, by its own clock (the driver may
         have been waiting on the engines then)."""
+        self.rank_nodes = self._folders_seen(*self._folder_check)
         done = wait_all(self._init_refs, "initializing the training ranks")
         self.init_done_at = max(at for _, at in done)
         return done[0][0]

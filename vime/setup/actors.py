@@ -68,7 +68,7 @@ def build_actors(
         train_cores, engine_cores = split_cores(cores, layout.num_train, layout.num_engines)
     train_group = RayTrainGroup(settings.train_backend, cluster.placement)
     started = time.time()
-    train_group.start_init(settings.train, threads, train_cores)
+    train_group.start_init(settings.train, threads, train_cores, settings.rank_folders)
     if settings.colocate:
         start_rollout = train_group.finish_init()
         startup.mark("trainer")

@@ -99,7 +99,8 @@ class EngineSettings:
 class ActorSettings:
     """What ``build_actors`` reads: the training ranks' backend and devices a node
     (their threads), ``--cpu-split``, ``--max-staleness``, ``--colocate``, the engines;
-    ``train``: what the ranks are initialised with."""
+    ``train``: what the ranks are initialised with; ``rank_folders``: the ``(flag,
+    folder)`` pairs the ranks must see as the driver does (``vime.ray.folders``)."""
 
     train_backend: str
     gpus_per_node: int
@@ -110,6 +111,7 @@ class ActorSettings:
     weight_sync: str
     engines: EngineSettings
     train: TrainSettings
+    rank_folders: tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
