@@ -214,20 +214,22 @@ def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, 
     return step, dict(rows=len(rows), forwarded=forwarded, attn=attn, batching=batching)
 
 
-def naive_path(
-    args: argparse.Namespace, hf_dir: str, batch: Any, device: torch.device
-) -> tuple[Step, dict]:
-    """The textbook padded step (HF's default sdpa attention) that vime is measured against."""
+def naive_model(hf_dir: str, device: torch.device, lr: float) -> tuple[Any, Any]:
+    """The plain HF model (its default sdpa attention) and its AdamW: vime's default
+    settings, and torch's multi-tensor kernels (its default on CUDA; on the CPU torch
+    would loop per tensor), so the optimizer costs what vime's does."""
     from transformers import AutoModelForCausalLM
 
-    attn = "sdpa"
     model = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation=attn
+        hf_dir, dtype=torch.float32, attn_implementation="sdpa"
     ).to(device)
-    # vime's default AdamW settings and clip, so the optimizer costs the same.
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
-    mbs = args.naive_micro_batch_size
-    n_loss_tokens = sum(sum(m) for m in batch.loss_masks)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-8, foreach=True)
+    return model, opt
+
+
+def naive_micro_batches(batch: Any, mbs: int, device: torch.device) -> list[list[torch.Tensor]]:
+    """``batch`` in rollout order, ``mbs`` samples a row right-padded to the longest:
+    (token ids, attention mask, loss mask by target position, advantages) per row."""
     micro = []
     for start in range(0, len(batch), mbs):
         idx = range(start, min(start + mbs, len(batch)))
@@ -242,28 +244,48 @@ def naive_path(
             loss_mask[row, p:n] = torch.tensor(batch.loss_masks[i], dtype=torch.float32)
         adv = torch.tensor([batch.advantages[i] for i in idx])
         micro.append([t.to(device) for t in (ids, attn_mask, loss_mask[:, 1:], adv)])
-    # On GPU: bf16 compute over fp32 master weights, as vime's FSDP mixed precision does.
-    bf16 = device.type == "cuda"
+    return micro
+
+
+def naive_row(model: Any, row: list[torch.Tensor], n_loss_tokens: int) -> torch.Tensor:
+    """Forward and backward of one padded row under the GRPO token-mean loss; the loss.
+    On GPU: bf16 compute over fp32 master weights, as vime's FSDP mixed precision does."""
+    ids, attn_mask, mask, adv = row
+    device = ids.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = model(input_ids=ids, attention_mask=attn_mask, use_cache=False).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    # GRPO with pi_old = pi: the ratio is 1 and its gradient is grad logp.
+    ratio = torch.exp(logp - logp.detach())
+    loss = (-adv[:, None] * ratio * mask).sum() / n_loss_tokens
+    loss.backward()
+    return loss.detach()
+
+
+def naive_update(model: Any, opt: Any) -> torch.Tensor:
+    """Clip to 1.0, step, clear the gradients; the norm before the clip."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return norm
+
+
+def naive_path(
+    args: argparse.Namespace, hf_dir: str, batch: Any, device: torch.device
+) -> tuple[Step, dict]:
+    """The textbook padded step (HF's default sdpa attention) that vime is measured against."""
+    model, opt = naive_model(hf_dir, device, args.lr)
+    mbs = args.naive_micro_batch_size
+    n_loss_tokens = sum(sum(m) for m in batch.loss_masks)
+    micro = naive_micro_batches(batch, mbs, device)
 
     def step() -> tuple[float, float]:
-        total = 0.0
-        for ids, attn_mask, mask, adv in micro:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = model(input_ids=ids, attention_mask=attn_mask, use_cache=False).logits
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-            # GRPO with pi_old = pi: the ratio is 1 and its gradient is grad logp.
-            ratio = torch.exp(logp - logp.detach())
-            loss = (-adv[:, None] * ratio * mask).sum() / n_loss_tokens
-            loss.backward()
-            total += float(loss.detach())
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return total, float(norm)
+        total = sum(float(naive_row(model, row, n_loss_tokens)) for row in micro)
+        return total, float(naive_update(model, opt))
 
     forwarded = sum(ids.numel() for ids, *_ in micro)
-    return step, dict(rows=len(micro), forwarded=forwarded, attn=attn, batching=f"{mbs}/row")
+    return step, dict(rows=len(micro), forwarded=forwarded, attn="sdpa", batching=f"{mbs}/row")
 
 
 @contextlib.contextmanager

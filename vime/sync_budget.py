@@ -102,21 +102,23 @@ def _crosses_devices(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return False
 
 
-class SyncCounter(TorchDispatchMode):
-    """Counts, per phase, the ops run inside it that would sync on CUDA.
+def in_host_only() -> bool:
+    """Whether the caller runs inside ``host_only()``."""
+    return bool(getattr(_state, "host_depth", 0))
 
-    ``with SyncCounter() as counter:`` then ``with counter.phase("row"):`` around part of
-    the work; ``counter.counts[phase]`` is a ``Counter`` of sync kinds and
-    ``counter.total(phase)`` their sum (ops outside any phase count under ``"other"``).
-    ``counter.sites`` keeps, per kind, the innermost vime frames that ran it.
+
+class PhasedCounter(TorchDispatchMode):
+    """A dispatch mode that counts, per phase, what its subclass records.
+
+    ``with counter.phase("row"):`` around part of the work; ``counter.counts[phase]`` is a
+    ``Counter`` of kinds and ``counter.total(phase)`` their sum (outside any phase:
+    ``"other"``). Nothing is recorded inside ``host_only()``.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: dict[str, Counter[str]] = {}
-        self.sites: Counter[tuple[str, str]] = Counter()
         self._phase = ["other"]
-        self._tolist = torch.Tensor.tolist
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -129,11 +131,30 @@ class SyncCounter(TorchDispatchMode):
     def total(self, phase: str) -> int:
         return sum(self.counts.get(phase, Counter()).values())
 
-    def record(self, kind: str) -> None:
-        if getattr(_state, "host_depth", 0):
-            return
+    def add(self, kind: str) -> bool:
+        """Count one ``kind`` in the current phase; False (nothing counted) in ``host_only``."""
+        if in_host_only():
+            return False
         self.counts.setdefault(self._phase[-1], Counter())[kind] += 1
-        self.sites[(kind, _vime_site())] += 1
+        return True
+
+
+class SyncCounter(PhasedCounter):
+    """Counts, per phase, the ops run inside it that would sync on CUDA.
+
+    ``with SyncCounter() as counter:`` then ``with counter.phase("row"):`` around part of
+    the work (``PhasedCounter``). ``counter.sites`` keeps, per kind, the innermost vime
+    frames that ran it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: Counter[tuple[str, str]] = Counter()
+        self._tolist = torch.Tensor.tolist
+
+    def record(self, kind: str) -> None:
+        if self.add(kind):
+            self.sites[(kind, _vime_site())] += 1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -170,7 +191,9 @@ def _vime_site() -> str:
     frame, library = sys._getframe(2), ""
     while frame is not None:
         name = frame.f_code.co_filename
-        if "/vime/" in name and not name.endswith(("sync_budget.py", "vime/device.py")):
+        if "/vime/" in name and not name.endswith(
+            ("sync_budget.py", "launch_budget.py", "vime/device.py")
+        ):
             site = f"{name.rsplit('/vime/', 1)[1]}:{frame.f_lineno} {frame.f_code.co_name}"
             return f"{site} < {library}" if library else site
         if not library and "site-packages/" in name and "/torch/" not in name:

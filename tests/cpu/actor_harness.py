@@ -199,3 +199,31 @@ def spawn(job: Callable, world: int, tmp_path: Path, *job_args: Any) -> Any:
     out = str(tmp_path / f"{job.__name__}_{world}_{random.random()}.pt")
     start_ranks(_entry, (world, free_port(), job, job_args, out), world)
     return torch.load(out, weights_only=False)
+
+
+def counted_train(backend: str, args: Any, world: int, counter: Any, forward_phase: str) -> dict:
+    """An actor trains one rollout (first-call set-up), then the next inside ``counter`` (a
+    ``sync_budget.PhasedCounter``), its micro-batch loop's backward passes in phase "rows"
+    and its forward-only ones (log-probs) in ``forward_phase``; the rows of each and the
+    rollout's optimizer steps."""
+    from vime.backends.policy_actor import make_actor
+    from vime.config.train_settings import train_settings
+
+    actor = make_actor(backend)
+    start = actor.init(train_settings(args))
+    actor.train(make_schedule(args, start, world))
+    sched = make_schedule(args, start + 1, world)
+    rows = {"rows": 0, forward_phase: 0}
+    real = actor.backend.forward_backward
+
+    with counter:
+
+        def forward_backward(batch, micro_batches, consume, *, backward):
+            phase = "rows" if backward else forward_phase
+            rows[phase] += len(micro_batches)
+            with counter.phase(phase):
+                return real(batch, micro_batches, consume, backward=backward)
+
+        actor.backend.forward_backward = forward_backward
+        actor.train(sched)
+    return {"rows": rows, "steps": sched.plan.num_steps, "rollout": start + 1}

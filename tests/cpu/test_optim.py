@@ -5,7 +5,8 @@ that the schedule hits its documented values (warmup ramp, linear and cosine
 end points, floor at min_lr) and depends on samples, not steps, and that the
 step chokepoint clips to the given norm, skips a non-finite update without
 touching the weights, and always leaves the gradients cleared -- also those of
-parameters another rank's optimizer updates.
+parameters another rank's optimizer updates. And that AdamW's kernels follow the
+parameters' device: fused on CUDA, multi-tensor ops on the CPU (``adamw_kernel``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import math
 import pytest
 import torch
 
-from vime.backends.optim import LRSchedule, decays, optimizer_step, param_groups
+from vime.backends.optim import (
+    AdamWSettings,
+    LRSchedule,
+    adamw,
+    adamw_kernel,
+    decays,
+    optimizer_step,
+    param_groups,
+)
 
 
 def test_no_decay_rule() -> None:
@@ -35,6 +44,16 @@ def test_no_decay_rule() -> None:
     groups = param_groups(model.named_parameters(), weight_decay=0.1)
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     assert [len(g["params"]) for g in groups] == [1, 4]  # frozen is left out
+
+
+def test_adamw_kernel_follows_the_device() -> None:
+    assert adamw_kernel("cuda") == {"fused": True}
+    assert adamw_kernel(torch.device("cuda", 1)) == {"fused": True}
+    assert adamw_kernel("cpu") == adamw_kernel(None) == {"foreach": True}
+    model = torch.nn.Linear(4, 4)
+    settings = AdamWSettings(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.98), eps=1e-8)
+    group = adamw(model.named_parameters(), settings).param_groups[0]
+    assert group["foreach"] is True and not group["fused"]
 
 
 def test_schedule_values() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_harness import VOCAB, actor_args, make_schedule, spawn
+from actor_harness import VOCAB, actor_args, counted_train, spawn
 from tiny_models import save_tiny, tiny_qwen3_config
 
 from vime import device
@@ -67,28 +67,11 @@ def hf_dir(tmp_path_factory) -> str:
 
 
 def _count_job(rank: int, world: int, backend: str, args) -> dict:
-    from vime.backends.policy_actor import make_actor
-    from vime.config.train_settings import train_settings
-
-    actor = make_actor(backend)
-    start = actor.init(train_settings(args))
-    actor.train(make_schedule(args, start, world))  # first-call set-up is not the budget's
-    sched = make_schedule(args, start + 1, world)
-    rows = [0]
-    real = actor.backend.forward_backward
-
-    with SyncCounter() as counter:
-
-        def forward_backward(batch, micro_batches, consume, *, backward):
-            rows[0] += len(micro_batches)
-            with counter.phase("rows"):
-                return real(batch, micro_batches, consume, backward=backward)
-
-        actor.backend.forward_backward = forward_backward
-        actor.train(sched)
+    counter = SyncCounter()
+    got = counted_train(backend, args, world, counter, forward_phase="rows")
     return {
-        "rows": rows[0],
-        "steps": sched.plan.num_steps,
+        "rows": got["rows"]["rows"],
+        "steps": got["steps"],
         "row_syncs": counter.total("rows"),
         "step_syncs": counter.total("other"),
         "sites": sorted(counter.sites.items()),

@@ -51,5 +51,5 @@ def all_reduce_sum(
             continue
         flat = torch.cat([t.reshape(-1) for t in bucket])
         dist.all_reduce(flat, group=group)
-        for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
-            tensor.copy_(part.view_as(tensor))
+        parts = flat.split([t.numel() for t in bucket])
+        torch._foreach_copy_(bucket, [p.view_as(t) for p, t in zip(parts, bucket, strict=True)])

@@ -207,6 +207,13 @@ class MegatronBackend(TrainBackend):
             if self.embedding_group is not None
             and (n == pipeline.EMBEDDING or self.stage.is_tied_copy(n))
         ]
+        # What the grad norm counts (each gradient once over the TP ranks and stages).
+        self.norm_params = [
+            train[n]
+            for n, p in self.named_params
+            if not self.stage.is_tied_copy(n)
+            and (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0)
+        ]
         # Replicated parameters whose gradient each TP rank only partly computes: the QK
         # norms act on this rank's heads only, and under sequence parallel every norm sees
         # this rank's slice of the sequence only (megatron-core's finalize_model_grads sums
@@ -357,12 +364,12 @@ class MegatronBackend(TrainBackend):
         params and the last stage's copy of tied embeddings counted once."""
         if self.distributed:
             return self.optimizer.grad_norm()
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for (name, param), trained in zip(self.named_params, self.train_params, strict=True):
-            if trained.grad is None or self.stage.is_tied_copy(name):
-                continue
-            if getattr(param, "tensor_model_parallel", False) or self.tp_rank == 0:
-                total += trained.grad.detach().double().pow(2).sum()
+        grads = [p.grad for p in self.norm_params if p.grad is not None]
+        # Each tensor's norm in float64 in one multi-tensor op (a loop launches four kernels
+        # a parameter), squared back into the sum of squares.
+        grads = grads or [torch.zeros(1, device=self.device)]  # none here: still a 0 to reduce
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+        total = torch.stack(norms).square().sum()
         if self.tp * self.pp > 1:
             dist.all_reduce(total, group=self.mp_group)
         return total.sqrt().float()

@@ -33,20 +33,22 @@ class MainParams:
     @staticmethod
     def _accumulator(main: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
         def accumulate(model: torch.Tensor) -> None:
-            grad = model.grad.float()
-            main.grad = grad if main.grad is None else main.grad.add_(grad)
+            # Later micro-batches add the bf16 gradient in one mixed-dtype kernel: the
+            # same fp32 sum as widening it first (exact), without the copy.
+            if main.grad is None:
+                main.grad = model.grad.float()
+            else:
+                main.grad.add_(model.grad)
             model.grad = None
 
         return accumulate
 
     @torch.no_grad()
     def to_model(self) -> None:
-        """Round every main weight into its model parameter."""
-        for model, main in zip(self.model_params, self.params, strict=True):
-            model.copy_(main)
+        """Round every main weight into its model parameter (multi-tensor copies)."""
+        torch._foreach_copy_(self.model_params, self.params)
 
     @torch.no_grad()
     def from_model(self) -> None:
         """Main weights := the model's parameters (after loading weights into the model)."""
-        for model, main in zip(self.model_params, self.params, strict=True):
-            main.copy_(model)
+        torch._foreach_copy_(self.params, self.model_params)
