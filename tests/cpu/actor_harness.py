@@ -79,6 +79,14 @@ def make_multiturn_batch(rollout_id: int, n: int = 8) -> RolloutBatch:
     return RolloutBatch(tokens=tokens, prompt_lengths=prompts, loss_masks=masks, advantages=adv)
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter's (or gradient's) whole tensor, gathered (a collective); a plain
+    one, the fsdp2 backend's at world size 1, as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def make_schedule(args: Any, rollout_id: int, dp: int, **batch_kw: Any) -> Any:
     """``make_batch(rollout_id)`` planned as ``args`` train it on ``dp`` replicas."""
     from vime.data.batch import schedule

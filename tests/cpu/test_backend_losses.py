@@ -26,7 +26,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_harness import VOCAB, has_interior_hole, make_batch, make_multiturn_batch, spawn
+from actor_harness import (
+    VOCAB,
+    full_tensor,
+    has_interior_hole,
+    make_batch,
+    make_multiturn_batch,
+    spawn,
+)
 from tiny_models import save_tiny, tiny_qwen3_config
 
 pytest.importorskip("megatron.core")
@@ -168,7 +175,7 @@ def _grads(actor) -> dict[str, torch.Tensor] | None:
     """Full gradients in HF names (fsdp2 only: megatron's are checked through the norm)."""
     if actor.backend.name != "fsdp2":
         return None
-    return {n: p.grad.full_tensor().clone() for n, p in actor.backend.model.named_parameters()}
+    return {n: full_tensor(p.grad).clone() for n, p in actor.backend.model.named_parameters()}
 
 
 def _full_weights(actor) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_harness import VOCAB, actor_args, make_batch, make_schedule, spawn
+from actor_harness import VOCAB, actor_args, full_tensor, make_batch, make_schedule, spawn
 from tiny_models import save_tiny, tiny_qwen3_config
 
 from vime.config.train_settings import train_settings
@@ -55,7 +55,7 @@ def _adapters(actor) -> dict[str, torch.Tensor]:
     from vime.backends.fsdp2.lora import wire_name
 
     return {
-        wire_name(n): p.full_tensor().detach().clone()
+        wire_name(n): full_tensor(p).detach().clone()
         for n, p in actor.backend.model.named_parameters()
         if p.requires_grad
     }

@@ -6,7 +6,8 @@ Proves, with two CPU processes and a tiny random Qwen3: ``--fsdp-mode hybrid``
 ``--no-fsdp-reshard-after-forward`` give the step-0 gradient and the weights
 after a rollout of ``full`` mode, while their parameters really are laid out as
 the mode says, checkpointing really recomputes every decoder block in backward,
-and without resharding the blocks stay gathered after the forward yet a second
+the last block and the root stay gathered after the forward even when the other
+blocks reshard, and without resharding every block stays gathered yet a second
 rollout (reference no longer the actor) still trains what ``full`` does; on four
 processes, hybrid with shard size 2 splits every tensor within each group,
 replicates it across the two, and updates as ``full`` does;
@@ -105,7 +106,8 @@ def _step0(actor, sched) -> dict:
     """The step-0 gradient (full tensors), the reference log-probs, and what the forward of
     that step saw: how often decoder blocks started a forward during forward+backward
     (twice per block with recomputation, else once), the dtype layer 0's q_proj weight and
-    output had, and whether layer 0 was sharded again once the whole model's forward ended.
+    output had, and whether layer 0, the last layer and the root's final norm were sharded
+    again once the whole model's forward ended.
 
     A pre-hook counts, because checkpoint's recomputation stops as soon as it has rebuilt the
     saved tensors backward needs, so a block's forward post-hook never fires there.
@@ -130,6 +132,9 @@ def _step0(actor, sched) -> dict:
 
     def after_forward(*_):
         seen["resharded"] = isinstance(q_proj.weight, DTensor)
+        # Backward starts with the last block and ends in the root: both stay gathered.
+        seen["last_resharded"] = isinstance(blocks[-1].self_attn.q_proj.weight, DTensor)
+        seen["root_resharded"] = isinstance(actor.backend.model.model.norm.weight, DTensor)
 
     hooks = [b.register_forward_pre_hook(count) for b in blocks]
     hooks.append(blocks[0].register_forward_hook(first_output))
@@ -437,10 +442,13 @@ def test_hybrid_shards_within_groups_and_replicates_across(modes, hybrid4) -> No
 
 def test_no_reshard_after_forward_keeps_blocks_gathered(modes) -> None:
     """The flag reaches ``fully_shard``: after the forward, layer 0 still holds its gathered
-    weights (``full`` has them sharded again); and the copies a log-prob forward leaves
-    gathered are not what trains: two rollouts, the reference differing from the actor in
-    the second, end where ``full`` mode does (the gradient check is above)."""
+    weights (``full`` has them sharded again, but not the last layer's nor the root's,
+    which backward needs first); and the copies a log-prob forward leaves gathered are not
+    what trains: two rollouts, the reference differing from the actor in the second, end
+    where ``full`` mode does (the gradient check is above)."""
     assert modes["full"]["dtypes"]["resharded"] is True
+    assert modes["full"]["dtypes"]["last_resharded"] is False
+    assert modes["full"]["dtypes"]["root_resharded"] is False
     assert modes["no_reshard"]["dtypes"]["resharded"] is False
     for name, weight in modes["sleep"]["twin"].items():  # full mode after rollouts 0 and 1
         got = modes["no_reshard"]["weights_after_1"][name]

@@ -86,10 +86,17 @@ def _leaky_log_probs(actor, batch) -> dict[int, torch.Tensor]:
     return {i: logp[row, : int(leaky.response_lengths[row])].cpu() for row, i in enumerate(indices)}
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard; a plain tensor (one rank, no offload: no fully_shard) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _state_tensors(actor) -> list[torch.Tensor]:
-    tensors = [p.to_local() for p in actor.backend.params]
+    tensors = [_local(p) for p in actor.backend.params]
     for state in actor.optimizer.state.values():
-        tensors += [v.to_local() for k, v in state.items() if k != "step"]
+        tensors += [_local(v) for k, v in state.items() if k != "step"]
     return tensors
 
 
@@ -110,7 +117,7 @@ def _offload_vs_resident(hf: str) -> dict:
             "state_devices": {t.device.type for t in _state_tensors(actor)},
             # FSDP2 pins host shards (CPUOffloadPolicy(pin_memory=True) on a GPU run) so the
             # per-block copies to the device are DMA transfers; AdamW's moments are not.
-            "pinned": all(p.to_local().is_pinned() for p in actor.backend.params),
+            "pinned": all(_local(p).is_pinned() for p in actor.backend.params),
         }
         del actor
         torch.cuda.empty_cache()

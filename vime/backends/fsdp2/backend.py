@@ -6,6 +6,12 @@ chokepoint, reference swap, sleep/wake and checkpoint commit around it through t
 ``TrainBackend`` interface. Model placement is in ``model.py``, LoRA's adapters in
 ``lora.py``. This file holds what is particular to FSDP2: DTensor shards (their
 norm, their full tensors for the weight source) and the DCP state that reshards.
+
+World size 1 (without ``--fsdp-cpu-offload``) uses no ``fully_shard`` and no DTensor:
+``plain.py`` loads the HF model as it is, and every DTensor branch here (``_local``,
+``_full``, the norm's ``full_tensor``, ``release_gathered``) passes the plain tensors
+through, so the step runs no FSDP2 code. In fp32 that is the sharded math at one rank,
+bit for bit; DCP's checkpoints still load across any change of rank count.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from vime.backends.base import TrainSettings
 from vime.backends.dropout import model_config
 from vime.backends.fsdp2 import lora as fsdp_lora
 from vime.backends.fsdp2 import model as fsdp_model
+from vime.backends.fsdp2 import plain as fsdp_plain
 from vime.backends.interface import (
     MicroBatchFn,
     SavedState,
@@ -54,7 +61,7 @@ from vime.weights.lora import LoraSettings, merge, write_peft_folder
 
 
 class FSDP2Backend(TrainBackend):
-    """HF causal LM sharded with ``fully_shard`` over every training rank."""
+    """HF causal LM sharded with ``fully_shard`` over every training rank (one rank: plain)."""
 
     name = "fsdp2"
 
@@ -62,9 +69,6 @@ class FSDP2Backend(TrainBackend):
         self.settings = settings
         own = settings.backend  # vime.backends.fsdp2.flags.Fsdp2Settings
         self.rank, self.world, self.device = fsdp_model.init_distributed()
-        mesh = fsdp_model.build_mesh(own.mode, self.world, own.shard_size, self.device)
-        # hybrid and no_shard: (replicas, shard) mesh; the replicas all-reduce gradients.
-        self.replicas = mesh.size(0) if mesh.ndim == 2 else 1
         if settings.hf_checkpoint is None:
             raise ValueError("the fsdp2 backend needs --hf-checkpoint DIR")
         param_dtype = vime_device.resolve_dtype(own.param_dtype, self.device)
@@ -82,7 +86,36 @@ class FSDP2Backend(TrainBackend):
         self._base_dtype = param_dtype if param_dtype != torch.float32 else None
         self._engines_have_base = False  # an adapter-only sync sends the base first
         self._saved_tied = False  # a saved module shares its weight (set by inject)
-        self.model = fsdp_model.load_sharded_model(
+        self.replicas = 1  # hybrid and no_shard: the replicas all-reduce gradients
+        self.model = self._load_model(own, param_dtype, attn)
+        if own.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.trained_params = self.params
+        self.optimizer = adamw(self.model.named_parameters(), settings.adamw)
+
+    def _load_model(self, own: Any, param_dtype: torch.dtype, attn: str) -> torch.nn.Module:
+        """The model, plain at one rank (``plain.py``), else sharded over the mesh of
+        ``--fsdp-mode``."""
+        settings = self.settings
+        adapt = decoder_compile.before_sharding(
+            self._add_adapters if self.lora.enabled else None, settings.compile_decoder
+        )
+        # Dropout off in every RL forward unless --keep-dropout (vime.backends.dropout).
+        config = model_config(self.hf_config, settings.keep_dropout)
+        if fsdp_plain.uses_plain_model(self.world, own.cpu_offload):
+            return fsdp_plain.load_plain_model(
+                settings.hf_checkpoint,
+                device=self.device,
+                attn_implementation=attn,
+                param_dtype=param_dtype,
+                block_classes=own.block_classes,
+                adapt=adapt,
+                config=config,
+            )
+        mesh = fsdp_model.build_mesh(own.mode, self.world, own.shard_size, self.device)
+        self.replicas = mesh.size(0) if mesh.ndim == 2 else 1
+        return fsdp_model.load_sharded_model(
             settings.hf_checkpoint,
             mesh=mesh,
             device=self.device,
@@ -94,17 +127,9 @@ class FSDP2Backend(TrainBackend):
                 "reshard_after_forward": own.reshard_after_forward,
                 "cpu_offload": own.cpu_offload,
             },
-            adapt=decoder_compile.before_sharding(
-                self._add_adapters if self.lora.enabled else None, settings.compile_decoder
-            ),
-            # Dropout off in every RL forward unless --keep-dropout (vime.backends.dropout).
-            config=model_config(self.hf_config, settings.keep_dropout),
+            adapt=adapt,
+            config=config,
         )
-        if own.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.trained_params = self.params
-        self.optimizer = adamw(self.model.named_parameters(), settings.adamw)
 
     def _add_adapters(self, model: torch.nn.Module) -> None:
         self._saved_tied = fsdp_lora.inject(model, self.lora, self.settings.seed)
@@ -134,6 +159,11 @@ class FSDP2Backend(TrainBackend):
             temperature=self.settings.temperature,
             before_backward=self._before_backward,
         )
+        if not backward:
+            # A forward alone leaves gathered what stays so for backward (the last block,
+            # the root): outside a pass, the model's parameters are its shards again, the
+            # ones the optimizer steps and the weight source and checkpoints read.
+            self.release_gathered()
 
     def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
         """The packed row on the device; for ``varlen_sdpa``, its attention layout too,
@@ -158,7 +188,8 @@ class FSDP2Backend(TrainBackend):
         return fsdp_lora.adapters_disabled(self.model) if self.lora.enabled else None
 
     def finish_grads(self) -> None:
-        """Nothing left: FSDP2 reduce-scattered (and all-reduced) in backward."""
+        """Nothing left: FSDP2 reduce-scattered (and all-reduced) in backward; one rank
+        has nothing to reduce."""
 
     def _before_backward(self, last: bool) -> None:
         # Each backward reduce-scatters within the shard group; FSDP2 keeps the partial
@@ -169,7 +200,8 @@ class FSDP2Backend(TrainBackend):
             self.model.set_requires_all_reduce(last)
 
     def grad_norm(self) -> torch.Tensor:
-        # FSDP reduce-scattered the gradients in backward: the norm of the DTensor shards.
+        # FSDP reduce-scattered the gradients in backward: the norm of the DTensor shards
+        # (one rank: of the plain gradients).
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -295,8 +327,8 @@ class FSDP2Backend(TrainBackend):
     def release_gathered(self) -> None:
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
-                # With --no-fsdp-reshard-after-forward a forward with no backward (log-probs)
-                # leaves the groups gathered; free those full copies too.
+                # A forward with no backward (log-probs) leaves the last block and the root
+                # gathered (every group with --no-fsdp-reshard-after-forward): free them.
                 module.reshard()
 
     # ----- checkpoints ---------------------------------------------------------------------

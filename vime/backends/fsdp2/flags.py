@@ -40,7 +40,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         type=_dtype("--fsdp-reduce-dtype"),
         choices=DTYPES,
         default="float32",
-        help="dtype of the gradient reduce-scatter",
+        help="dtype of the gradient reduce-scatter (one rank: no reduction, gradients fp32)",
     )
     g.add_argument(
         "--fsdp-mode",
@@ -56,10 +56,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--fsdp-reshard-after-forward",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="free gathered parameters after each block's forward",
+        help="free gathered parameters after each block's forward (but the last block's, "
+        "which backward needs first)",
     )
     g.add_argument(
-        "--fsdp-cpu-offload", action="store_true", help="keep shards and optimizer on the host"
+        "--fsdp-cpu-offload",
+        action="store_true",
+        help="keep shards and optimizer on the host (FSDP2's offload: one rank keeps "
+        "fully_shard for it)",
     )
     g.add_argument(
         "--fsdp-block-classes",

@@ -2,7 +2,8 @@
 
 Where it fits: ``FSDP2Backend.setup`` calls ``init_distributed``, ``build_mesh``
 and ``load_sharded_model``; everything about how parameters are placed lives
-here, so the actor only trains.
+here (and, at world size 1, in ``plain.py``, which loads the model unsharded),
+so the actor only trains.
 
 Loading keeps one full host copy per job, not one per rank: every rank builds
 the model on the meta device and shards it; rank 0 alone reads the checkpoint
@@ -122,31 +123,46 @@ def shard_model(
     they would stay replicated plain tensors whose gradients nobody reduces.
     Gradients are summed over ranks (divide factor 1) because each micro-batch
     loss is already divided by the step's global normalizers.
+
+    ``reshard_after_forward`` applies to every block but the last (and the blocks inside
+    it): backward starts there, and ends in the root, so resharded after forward their
+    weights would be freed only to be all-gathered again at once. Those stay gathered
+    until their backward (or ``FSDP2Backend.release_gathered`` after a forward alone).
     """
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        "reshard_after_forward": reshard_after_forward,
     }
     if cpu_offload:
         # Pinned host memory needs an accelerator. On a CPU-only run the shards already
         # live in host memory, so the policy changes nothing but runs the same code path.
         pin = vime_device.is_cuda(mesh.device_type)
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
-    classes = find_block_classes(model, block_classes)
-    # Descendants before ancestors (``modules()`` is pre-order): each ``fully_shard`` claims
-    # the parameters no inner group holds yet, so nested block classes (a decoder layer and
-    # its MLP) become nested FSDP2 groups. Parent first, it would take the MLP's weights and
-    # the MLP's own group would then try to shard DTensors again. Siblings keep model order.
-    blocks = [m for m in _post_order(model) if isinstance(m, classes)]
+    blocks = group_modules(model, block_classes)[:-1]
+    first_in_backward = set(blocks[-1].modules())
     for block in blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        reshard = reshard_after_forward and block not in first_in_backward
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     check_every_parameter_sharded(model, mesh.size())
     for module in [*blocks, model]:
         module.set_gradient_divide_factor(1.0)
         # Plain SUM collectives: gloo has no PREMUL_SUM, and factor 1 leaves nothing to scale.
         module.set_force_sum_reduction_for_comms(True)
+
+
+def group_modules(model: torch.nn.Module, block_classes: str | None) -> list[torch.nn.Module]:
+    """The modules that each hold one group of weights, innermost first: every decoder block
+    (``find_block_classes``), then the root, which holds what no block does.
+
+    Descendants before ancestors (``modules()`` is pre-order): each group claims the
+    parameters no inner group holds yet, so nested block classes (a decoder layer and its
+    MLP) become nested groups. Parent first, ``fully_shard`` would take the MLP's weights
+    and the MLP's own group would then try to shard DTensors again. Siblings keep model
+    order.
+    """
+    classes = find_block_classes(model, block_classes)
+    return [m for m in _post_order(model) if isinstance(m, classes)] + [model]
 
 
 def check_every_parameter_sharded(model: torch.nn.Module, world: int) -> None:
@@ -240,6 +256,18 @@ def _full_state(
     adapt: Callable[[torch.nn.Module], None] | None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Rank 0's whole model, loaded in fp32 and adapted: its state and its buffers."""
+    full = load_full_model(hf_checkpoint, config, attn_implementation, adapt)
+    return full.state_dict(), dict(full.named_buffers())
+
+
+def load_full_model(
+    hf_checkpoint: str,
+    config: Any,
+    attn_implementation: str,
+    adapt: Callable[[torch.nn.Module], None] | None,
+) -> torch.nn.Module:
+    """The checkpoint's whole model on the host, in fp32 and adapted (``load_sharded_model``
+    says what ``config`` and ``adapt`` are)."""
     from transformers import AutoModelForCausalLM
 
     full = AutoModelForCausalLM.from_pretrained(
@@ -250,7 +278,7 @@ def _full_state(
     )
     if adapt is not None:
         adapt(full)
-    return full.state_dict(), dict(full.named_buffers())
+    return full
 
 
 def _post_order(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
