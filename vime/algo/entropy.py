@@ -49,6 +49,27 @@ def _shifted_chunk(chunk: torch.Tensor, row_max: torch.Tensor, dtype: torch.dtyp
     return shifted.clamp_(min=torch.finfo(dtype).min)
 
 
+def _entropy_chunk(
+    chunk: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(m, log Σⱼ exp(sⱼ), H)`` per row of one ``[c, V]`` chunk (see ``entropy_from_logits``)."""
+    row_max = chunk.amax(dim=-1).to(dtype)
+    shifted = _shifted_chunk(chunk, row_max, dtype)
+    weights = shifted.exp()
+    norm = weights.sum(dim=-1)
+    # Σ exp(s)·s as a batched dot product: no third [chunk, V] buffer.
+    weighted = torch.bmm(weights.unsqueeze(1), shifted.unsqueeze(2)).view(-1)
+    log_norm = norm.log()
+    return row_max, log_norm, log_norm - weighted / norm
+
+
+def entropy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy per row of ``[c, V]`` logits, no autograd: the forward of
+    ``entropy_from_logits`` for one chunk, for callers that hold one chunk at a time
+    (``vime.algo.head_log_probs``)."""
+    return _entropy_chunk(logits, _compute_dtype(logits.dtype))[2]
+
+
 class _ChunkedEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -59,15 +80,7 @@ class _ChunkedEntropy(torch.autograd.Function):
         log_norm = torch.empty(rows, dtype=dtype, device=logits.device)
         for start in range(0, rows, chunk_size):
             sl = slice(start, start + chunk_size)
-            row_max[sl] = logits[sl].amax(dim=-1).to(dtype)
-            shifted = _shifted_chunk(logits[sl], row_max[sl], dtype)
-            weights = shifted.exp()
-            norm = weights.sum(dim=-1)
-            # Σ exp(s)·s as a batched dot product: no third [chunk, V] buffer.
-            weighted = torch.bmm(weights.unsqueeze(1), shifted.unsqueeze(2)).view(-1)
-            log_norm[sl] = norm.log()
-            entropy[sl] = log_norm[sl] - weighted / norm
-            del shifted, weights
+            row_max[sl], log_norm[sl], entropy[sl] = _entropy_chunk(logits[sl], dtype)
         ctx.save_for_backward(logits, row_max, log_norm, entropy)
         ctx.chunk_size = chunk_size
         return entropy
