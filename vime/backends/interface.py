@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 # (sample indices, packed micro-batch, log-probs, entropy or None) -> the micro-batch's loss
 MicroBatchFn = Callable[[tuple[int, ...], Any, torch.Tensor, Any], Any]
+# (packed micro-batch, with entropy) -> per-sample log-probs [B, T] and entropy or None
+LogProbsFn = Callable[[Any, bool], tuple[torch.Tensor, torch.Tensor | None]]
 # Which weights ``weight_buckets`` yields: the full model, what a weight sync sends (LoRA:
 # the adapters, after the base once), or what an HF export writes.
 WeightPurpose = Literal["full", "sync", "export"]
@@ -171,6 +173,7 @@ def run_in_order(
     temperature: float,
     token_stats: TokenStats = full_vocab_token_stats,
     before_backward: Callable[[bool], None] | None = None,
+    log_probs: LogProbsFn | None = None,
 ) -> None:
     """``TrainBackend.forward_backward`` for a model that computes whole logits on every
     rank: pack, forward, log-probs, ``consume``, backward, one micro-batch at a time.
@@ -178,18 +181,23 @@ def run_in_order(
     ``token_stats`` reduces over the vocabulary (a tensor-parallel shard's: across ranks);
     ``before_backward(last)`` runs before each backward, ``last`` on the final one (every
     rank has as many micro-batches, so the ranks agree on which is last).
+    ``log_probs(packed, with_entropy)``, when given, replaces forward + log-probs (the
+    fused head tail, ``vime.backends.lm_head``), and ``logits`` goes unused.
     """
     for position, indices in enumerate(micro_batches):
         packed = pack(indices)
         # No .float() here: response_log_probs upcasts only the response rows it picks,
         # never a whole [L, V] row of bf16 logits.
-        logp, entropy = response_log_probs(
-            logits(packed),
-            packed,
-            temperature=temperature,
-            with_entropy=backward,
-            token_stats=token_stats,
-        )
+        if log_probs is not None:
+            logp, entropy = log_probs(packed, backward)
+        else:
+            logp, entropy = response_log_probs(
+                logits(packed),
+                packed,
+                temperature=temperature,
+                with_entropy=backward,
+                token_stats=token_stats,
+            )
         loss = consume(indices, packed, logp, entropy)
         if backward:
             if before_backward is not None:

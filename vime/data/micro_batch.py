@@ -348,19 +348,39 @@ def response_log_probs(
         raise ValueError(
             f"logits {tuple(logits.shape)} do not match a packed row of {batch.row_length} tokens"
         )
+    sample, step, before, targets = loss_targets(batch)
+    picked = logits.index_select(0, before)
+    picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
+    if temperature != 1.0:
+        picked = picked / temperature
+    token_logp, entropy = token_stats(picked, targets, with_entropy)
+    return per_sample_values(batch, sample, step, token_logp, entropy)
+
+
+def loss_targets(
+    batch: PackedBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sample, step, before, target)`` ``[N]`` each, one entry per loss position:
+    response token ``step`` of ``sample``, the row position whose output predicts it,
+    and its token id."""
     sample, step = batch.loss_positions()  # [N] each
     token_pos = batch.response_starts[sample] + step
     # Causal LM: the token at position p is predicted by the logits at p - 1; the first
     # response token by the prompt's last token (elsewhere in the row when shared).
     before = torch.where(step == 0, batch.prompt_ends[sample], token_pos - 1)
-    picked = logits.index_select(0, before)
-    picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
-    if temperature != 1.0:
-        picked = picked / temperature
-    targets = batch.input_ids[0, token_pos]
-    token_logp, entropy = token_stats(picked, targets, with_entropy)
+    return sample, step, before, batch.input_ids[0, token_pos]
+
+
+def per_sample_values(
+    batch: PackedBatch,
+    sample: torch.Tensor,
+    step: torch.Tensor,
+    token_logp: torch.Tensor,
+    entropy: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[N]`` per-position values scattered to ``[B, T]`` (0 off ``loss_mask``)."""
     shape = tuple(batch.loss_mask.shape)
-    log_probs = picked.new_zeros(shape).index_put((sample, step), token_logp)
+    log_probs = token_logp.new_zeros(shape).index_put((sample, step), token_logp)
     if entropy is None:
         return log_probs, None
     return log_probs, entropy.new_zeros(shape).index_put((sample, step), entropy)

@@ -53,6 +53,7 @@ from vime.backends.interface import (
     hf_dtype,
     run_in_order,
 )
+from vime.backends.lm_head import fusable_head, row_log_probs
 from vime.backends.optim import adamw
 from vime.sync_budget import host_only
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
@@ -93,6 +94,8 @@ class FSDP2Backend(TrainBackend):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.trained_params = self.params
         self.optimizer = adamw(self.model.named_parameters(), settings.adamw)
+        # The fused log-prob tail needs a plain head; a LoRA-wrapped one keeps whole logits.
+        self._fused_head = fusable_head(self.model.get_output_embeddings(), self.hf_config)
 
     def _load_model(self, own: Any, param_dtype: torch.dtype, attn: str) -> torch.nn.Module:
         """The model, plain at one rank (``plain.py``), else sharded over the mesh of
@@ -158,12 +161,25 @@ class FSDP2Backend(TrainBackend):
             logits=lambda packed: self.model(**packed.model_inputs()).logits,
             temperature=self.settings.temperature,
             before_backward=self._before_backward,
+            log_probs=self._head_log_probs if self._fused_head else None,
         )
         if not backward:
             # A forward alone leaves gathered what stays so for backward (the last block,
             # the root): outside a pass, the model's parameters are its shards again, the
             # ones the optimizer steps and the weight source and checkpoints read.
             self.release_gathered()
+
+    def _head_log_probs(self, packed: Any, with_entropy: bool) -> tuple[Any, Any]:
+        """Only the loss positions' final hidden states ``[1, L, h]`` reach the LM head
+        (``vime.backends.lm_head``)."""
+        return row_log_probs(
+            lambda: self.model(**packed.model_inputs()).logits,
+            self.model.get_output_embeddings(),
+            packed,
+            temperature=self.settings.temperature,
+            with_entropy=with_entropy,
+            seq_dim=1,
+        )
 
     def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
         """The packed row on the device; for ``varlen_sdpa``, its attention layout too,

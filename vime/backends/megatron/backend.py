@@ -79,6 +79,7 @@ from vime.backends.interface import (
     hf_dtype,
     run_in_order,
 )
+from vime.backends.lm_head import row_log_probs
 from vime.backends.megatron import checkpoint as mcheckpoint
 from vime.backends.megatron import convert, pipeline
 from vime.backends.megatron import model as mmodel
@@ -285,6 +286,21 @@ class MegatronBackend(TrainBackend):
             temperature=self.settings.temperature,
             token_stats=self._token_stats(),
             before_backward=self._before_backward,
+            log_probs=self._head_log_probs if self.tp == 1 else None,
+        )
+
+    def _head_log_probs(self, packed: Any, with_entropy: bool) -> tuple[Any, Any]:
+        """Without TP: only the loss positions' final hidden states ``[L, 1, h]`` reach the
+        output layer (``vime.backends.lm_head``). Under TP each rank holds a vocabulary
+        shard, and ``vocab_parallel`` reduces whole shard logits instead."""
+        return row_log_probs(
+            lambda: mmodel.stage_forward(self.model, packed),
+            self.model.output_layer,
+            packed,
+            temperature=self.settings.temperature,
+            with_entropy=with_entropy,
+            seq_dim=0,
+            vocab=self.model.hf_vocab_size,
         )
 
     def _run_pipelined(
