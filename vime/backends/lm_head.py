@@ -61,8 +61,9 @@ def row_log_probs(
         logp, entropy = head_log_probs(
             rows, weight, targets, temperature=temperature, with_entropy=with_entropy
         )
-        columns = torch.stack([logp, logp if entropy is None else entropy], dim=-1)
-        columns = columns.unsqueeze(1 - seq_dim)  # the head's layout: [1, N, 2] or [N, 1, 2]
+        # The head's layout, [1, N, 2] or [N, 1, 2], as a fresh tensor (FSDP2 warns on views).
+        pair = (logp, logp if entropy is None else entropy)
+        columns = torch.stack([v.unsqueeze(1 - seq_dim) for v in pair], dim=-1)
         return (columns, *output[1:]) if isinstance(output, tuple) else columns
 
     hooks = [
