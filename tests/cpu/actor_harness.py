@@ -223,6 +223,10 @@ def counted_train(backend: str, args: Any, world: int, counter: Any, forward_pha
     sched = make_schedule(args, start + 1, world)
     rows = {"rows": 0, forward_phase: 0}
     real = actor.backend.forward_backward
+    model = actor.backend.model
+    head = model.output_layer if backend == "megatron" else model.get_output_embeddings()
+    head_rows = []  # hidden-state rows the LM head's own matmul receives
+    head.register_forward_hook(lambda m, a, out: head_rows.append(a[0].numel() // a[0].shape[-1]))
 
     with counter:
 
@@ -234,4 +238,9 @@ def counted_train(backend: str, args: Any, world: int, counter: Any, forward_pha
 
         actor.backend.forward_backward = forward_backward
         actor.train(sched)
-    return {"rows": rows, "steps": sched.plan.num_steps, "rollout": start + 1}
+    return {
+        "rows": rows,
+        "steps": sched.plan.num_steps,
+        "rollout": start + 1,
+        "head_rows": sum(head_rows),
+    }

@@ -183,7 +183,10 @@ def draw(seed: int) -> Case:
     else:
         flags += ["--micro-batch-size", str(rng.choice([1, 2, 4]))]
     flags += _loss_flags(rng)
-    return Case(seed, model, charset, rng.choice([1.0, 4.0, 8.0]), rng.random() < 0.4, flags)
+    eos_scale, multiturn = rng.choice([1.0, 4.0, 8.0]), rng.random() < 0.4
+    # Drawn last, so that every earlier draw of a seed is what it was before the flag.
+    flags += ["--lm-head-tail", rng.choice(["logits", "fused"])]
+    return Case(seed, model, charset, eos_scale, multiturn, flags)
 
 
 def _loss_flags(rng: random.Random) -> list[str]:

@@ -220,13 +220,15 @@ def _required_families() -> set[str]:
     req |= {f"--tis-level={v}" for v in algo_flags.CORRECTION_LEVELS}
     req |= {f"--tis-mode={v}" for v in algo_flags.CORRECTION_MODES}
     req |= {"--policy-loss-level=sequence", *DRAWN_FLAGS}
+    req |= {f"--lm-head-tail={t}" for t in ("logits", "fused")}
     return req
 
 
 def test_ci_seeds_cover_every_family() -> None:
     """The CI seeds' cases together draw every model feature, flag and flag value that
     matters (each advantage estimator, KL type, aggregation mode, correction level and
-    mode, GSPO, multi-turn, several steps, tied and untied, GQA, qk-norm or not)."""
+    mode, GSPO, multi-turn, several steps, tied and untied, GQA, qk-norm or not, the
+    whole-logits and the fused log-prob tail)."""
     drawn = set().union(*(_families(draw(s)) for s in CI_SEEDS))
     assert not _required_families() - drawn, sorted(_required_families() - drawn)
 

@@ -7,8 +7,9 @@ design (``host_only``, a non-blocking ``to_device``), so it is shown able to fai
 one rollout of each backend's real ``train`` (world size 1, KL on, two optimizer steps)
 on a sampled-like batch, counted as the trainer runs it, stays within the budget of
 issue 32: no sync inside the micro-batch loop (per packed row), at most two per
-optimizer step (the grad norm's finiteness, the metrics' one read). ``record`` prints
-where every counted sync came from.
+optimizer step (the grad norm's finiteness, the metrics' one read). The step runs the
+GPU's log-prob tail, ``--lm-head-tail fused``, shown taken: the LM head's own matmul
+sees no row. ``record`` prints where every counted sync came from.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def _count_job(rank: int, world: int, backend: str, args) -> dict:
     got = counted_train(backend, args, world, counter, forward_phase="rows")
     return {
         "rows": got["rows"]["rows"],
+        "head_rows": got["head_rows"],
         "steps": got["steps"],
         "row_syncs": counter.total("rows"),
         "step_syncs": counter.total("other"),
@@ -91,9 +93,10 @@ def record(backend: str, got: dict) -> None:
 def test_train_step_holds_the_sync_budget(backend: str, hf_dir, tmp_path: Path) -> None:
     if backend == "megatron":
         pytest.importorskip("megatron.core")
-    args = actor_args(hf_dir, 1, backend=backend)
+    args = actor_args(hf_dir, 1, "--lm-head-tail", "fused", backend=backend)
     got = spawn(_count_job, 1, tmp_path, backend, args)
     record(backend, got)
     assert got["steps"] == 2 and got["rows"] > 0
+    assert got["head_rows"] == 0, "the fused tail was not taken"
     assert got["row_syncs"] <= ROW_BUDGET * got["rows"], got["sites"]
     assert got["step_syncs"] <= STEP_BUDGET * got["steps"], got["sites"]

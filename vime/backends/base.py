@@ -62,6 +62,8 @@ class TrainSettings:
     backend: Any
     # --compile-decoder: torch.compile each decoder block (vime.backends.compile)
     compile_decoder: bool = False
+    # --lm-head-tail: auto, fused or logits (vime.backends.lm_head_choice)
+    lm_head_tail: str = "auto"
 
 
 class TrainActor(abc.ABC):

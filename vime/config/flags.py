@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from vime.backends.lm_head_choice import LM_HEAD_TAILS
 from vime.config.algo_flags import add_algorithm_flags
 from vime.config.flag_types import non_negative_int, positive_int
 from vime.config.lora_flags import add_lora_flags
@@ -78,6 +79,14 @@ def _prompt_sources(p: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="torch.compile each decoder block's forward (both backends; the packed-row "
         "attention stays out of the graphs); the first steps pay for compiling",
+    )
+    p.add_argument(
+        "--lm-head-tail",
+        choices=LM_HEAD_TAILS,
+        default="auto",
+        help="how training log-probs leave the LM head: 'fused' projects only the loss "
+        "positions, a chunk at a time, so no [tokens, vocab] logits exist; 'logits' "
+        "computes whole logits; 'auto' is fused on CUDA, logits on the CPU",
     )
     p.add_argument(
         "--prompt-data",

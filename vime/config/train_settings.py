@@ -48,6 +48,7 @@ def train_settings(args: argparse.Namespace) -> TrainSettings:
         ),
         backend=registry.settings_maker(args.train_backend)(args),
         compile_decoder=args.compile_decoder,
+        lm_head_tail=args.lm_head_tail,
     )
 
 

@@ -54,6 +54,7 @@ from vime.backends.interface import (
     run_in_order,
 )
 from vime.backends.lm_head import fusable_head, row_log_probs
+from vime.backends.lm_head_choice import fused_tail
 from vime.backends.optim import adamw
 from vime.sync_budget import host_only
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
@@ -95,7 +96,11 @@ class FSDP2Backend(TrainBackend):
         self.trained_params = self.params
         self.optimizer = adamw(self.model.named_parameters(), settings.adamw)
         # The fused log-prob tail needs a plain head; a LoRA-wrapped one keeps whole logits.
-        self._fused_head = fusable_head(self.model.get_output_embeddings(), self.hf_config)
+        self._fused_head = fused_tail(
+            settings.lm_head_tail,
+            self.device.type,
+            fusable_head(self.model.get_output_embeddings(), self.hf_config),
+        )
 
     def _load_model(self, own: Any, param_dtype: torch.dtype, attn: str) -> torch.nn.Module:
         """The model, plain at one rank (``plain.py``), else sharded over the mesh of

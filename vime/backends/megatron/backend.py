@@ -80,6 +80,7 @@ from vime.backends.interface import (
     run_in_order,
 )
 from vime.backends.lm_head import row_log_probs
+from vime.backends.lm_head_choice import fused_tail
 from vime.backends.megatron import checkpoint as mcheckpoint
 from vime.backends.megatron import convert, pipeline
 from vime.backends.megatron import model as mmodel
@@ -135,6 +136,8 @@ class MegatronBackend(TrainBackend):
         )
         if settings.compile_decoder:
             decoder_compile.compile_decoder(self.model)
+        # Under TP each rank holds a vocabulary shard, which vocab_parallel reduces whole.
+        self._fused_head = fused_tail(settings.lm_head_tail, self.device.type, self.tp == 1)
         vocab = int(self.hf_config.vocab_size)
         width = convert.padded_vocab_size(vocab, self.tp) // self.tp
         self.vocab_shard = VocabShard.of_this_rank(width, vocab)
@@ -286,7 +289,7 @@ class MegatronBackend(TrainBackend):
             temperature=self.settings.temperature,
             token_stats=self._token_stats(),
             before_backward=self._before_backward,
-            log_probs=self._head_log_probs if self.tp == 1 else None,
+            log_probs=self._head_log_probs if self._fused_head else None,
         )
 
     def _head_log_probs(self, packed: Any, with_entropy: bool) -> tuple[Any, Any]:
