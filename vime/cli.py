@@ -4,7 +4,9 @@ Bad configuration ends here as one ``vime-train: error: ...`` line on stderr and
 exit status 2, never a traceback; a training rank or engine that fails ends the
 run with its error on one line and exit status 1 (Ray's whole report, remote
 traceback included, goes to ``error.log`` in the output folder, or above that
-line when the run failed before its folder was kept).
+line when the run failed before its folder was kept). With ``--auto-resume N`` such a
+failure first restarts the run from its latest checkpoint, up to N times
+(``vime.auto_resume``).
 """
 
 from __future__ import annotations
@@ -99,9 +101,6 @@ def _start_ray_importing_the_trainer(config: Config, startup: Any) -> Callable[.
     ``imports`` of ``startup``, which ran together. The modules imported on the other
     thread (torch, transformers, vime's) are none of those ``ray.init`` imports.
     """
-    from vime.config.cluster_settings import placement_settings
-    from vime.ray.cluster import start_ray
-    from vime.ray.placement import layout_of
     from vime.tracking import HF_PROGRESS_BARS_VAR
 
     # Before Ray starts: its processes inherit the environment (see the run's
@@ -121,9 +120,7 @@ def _start_ray_importing_the_trainer(config: Config, startup: Any) -> Callable[.
     loader.start()
     try:
         started = time.time()
-        start_ray(
-            config.ray_address, layout_of(placement_settings(config), use_gpu=False).num_bundles
-        )
+        _start_ray(config)
         startup.add("ray", time.time() - started)
     finally:
         loader.join()  # no exit, even a failed one, while a module is half imported
@@ -133,6 +130,28 @@ def _start_ray_importing_the_trainer(config: Config, startup: Any) -> Callable[.
     from vime.trainer import run
 
     return run
+
+
+def _start_ray(config: Config) -> None:
+    """Start (or join) the Ray the run ``config`` configures, with room for its actors."""
+    from vime.config.cluster_settings import placement_settings
+    from vime.ray.cluster import start_ray
+    from vime.ray.placement import layout_of
+
+    start_ray(config.ray_address, layout_of(placement_settings(config), use_gpu=False).num_bundles)
+
+
+def _restart_ray(config: Config) -> None:
+    """Ray again for an ``--auto-resume`` restart: the failed run stopped its own, unless
+    it failed while being built (which leaves Ray up)."""
+    import ray
+
+    from vime.ray.cluster import stop_ray
+
+    if ray.is_initialized():
+        stop_ray()
+    _start_ray(config)
+    _raise_if_interrupted()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -174,6 +193,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if threading.current_thread() is threading.main_thread():
         _INTERRUPTED.clear()
         signal.signal(signal.SIGINT, _on_sigint)
+    from vime.auto_resume import run_resuming
     from vime.perf import StartupClock, process_start_time
     from vime.ray.errors import ActorFailure, Terminated
     from vime.tracking import default_output_dir
@@ -183,7 +203,7 @@ def _main(argv: Sequence[str] | None) -> int:
     startup = StartupClock((process_start_time() if argv is None else None) or _IMPORTED_AT)
     try:
         run = _start_ray_importing_the_trainer(config, startup)
-        summary = run(config, startup=startup)
+        summary = run_resuming(run, config, startup, _restart_ray)
     except ConfigError as err:
         print(f"vime-train: error: {err}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from vime import perf
+from vime.auto_resume import RESUMES_KEY
 from vime.config.parser import Config
 from vime.data.batch import RolloutBatch, TrainSchedule, schedule
 from vime.ray.cluster import stop_ray
@@ -29,7 +30,9 @@ from vime.setup.settings import UpdateSettings
 from vime.tracking import default_output_dir, quiet_library_progress_bars
 
 
-def run(args: Config, *, startup: perf.StartupClock | None = None) -> dict[str, Any]:
+def run(
+    args: Config, *, startup: perf.StartupClock | None = None, auto_resumes: int = 0
+) -> dict[str, Any]:
     """Train as ``args`` (from ``parse_args(argv, for_run=True)``) says; returns the final
     summary (also in ``summary.json``).
 
@@ -43,12 +46,15 @@ def run(args: Config, *, startup: perf.StartupClock | None = None) -> dict[str, 
     ``error.log`` there. A run that stops early (interrupted, failed) still draws
     ``progress.png`` from the rollouts logged and writes ``summary.json`` with its
     ``status``.
+
+    ``auto_resumes`` (> 0: this run is ``--auto-resume``'s restart after as many failures)
+    goes on its first metrics line as ``fault/auto_resumes`` and into the summary.
     """
     quiet_library_progress_bars()
     args = args.replace(output_dir=args.output_dir or default_output_dir())
     created = not os.path.exists(args.output_dir)
     try:
-        session = Run(build_run(args, startup))
+        session = Run(build_run(args, startup), auto_resumes=auto_resumes)
     except BaseException:
         if created:
             shutil.rmtree(args.output_dir, ignore_errors=True)
@@ -72,7 +78,7 @@ def run(args: Config, *, startup: perf.StartupClock | None = None) -> dict[str, 
 class Run:
     """One training run's loop over the parts ``vime.setup.run.build_run`` built."""
 
-    def __init__(self, parts: RunParts) -> None:
+    def __init__(self, parts: RunParts, *, auto_resumes: int = 0) -> None:
         self.parts = parts
         self.settings, self.startup = parts.loop, parts.startup
         self.output_dir = parts.loop.output_dir
@@ -86,6 +92,7 @@ class Run:
         self.probe = _probe_sequence(parts.prompts.ids)
         self._probe_plan: Any = None
         self.last_saved = self.start_rollout - 1  # the checkpoint this run resumed from
+        self.auto_resumes = auto_resumes
 
     # ----- the loop ------------------------------------------------------------------------
 
@@ -188,6 +195,9 @@ class Run:
         self.log(f"vime: {startup.line()}")
         self.tracker.log_once(startup.metrics())
         self.tracker.summarize(startup.summary())
+        if self.auto_resumes:  # the line where the restarted run picks up
+            self.tracker.log_once({RESUMES_KEY: float(self.auto_resumes)})
+            self.tracker.summarize({"auto_resumes": self.auto_resumes})
 
     def _finish(self) -> dict[str, Any]:
         """After the last rollout: the final eval and the HF exports; the summary."""

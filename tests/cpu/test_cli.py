@@ -134,6 +134,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
         (["--hf-checkpoint", "/no/such/model"], ["--hf-checkpoint /no/such/model", "directory"]),
         (["--prompt-data", "/no/such.jsonl"], ["--prompt-data /no/such.jsonl: no such file"]),
         (["--load", "/no/such/ckpt"], ["--load /no/such/ckpt: no such directory"]),
+        (["--auto-resume", "2"], ["--auto-resume needs --save DIR"]),
         (
             ["--hf-checkpoint", ".", "--prompt-data", "builtin:add", "--use-dynamic-batch-size"],
             ["needs --max-tokens-per-gpu"],

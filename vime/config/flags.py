@@ -200,6 +200,15 @@ def _checkpoint(p: argparse._ArgumentGroup) -> None:
         help="save every K rollouts (and at the end)",
     )
     p.add_argument(
+        "--auto-resume",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="after a training rank or the driver fails, restart the run from the latest "
+        "checkpoint in --save (as --load would), up to N times; the restart appends to "
+        "the same output folder (not after a configuration error, Ctrl-C or SIGTERM)",
+    )
+    p.add_argument(
         "--keep-last-checkpoints",
         type=positive_int,
         default=None,

@@ -503,6 +503,8 @@ def _check_optimizer(args: argparse.Namespace) -> None:
 def _check_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")
+    if args.auto_resume and args.save is None:
+        raise ConfigError("--auto-resume needs --save DIR (the checkpoints a restart resumes from)")
     if args.keep_last_checkpoints is not None and args.save is None:
         raise ConfigError("--keep-last-checkpoints needs --save DIR")
 

@@ -1,0 +1,55 @@
+"""A loss hook that kills the training rank once, for the ``--auto-resume`` tests.
+
+Passed as ``--custom-loss-function-path tests/cpu/fault_hooks.py:policy_loss``, it is
+vime's own policy loss, except that with ``VIME_TEST_KILL_RANK=<output dir>:<rollout>``
+in the environment (Ray's workers inherit it) the first rank to train that rollout
+(known from metrics.jsonl: the line before it is written) ends its process with
+``os._exit(1)``, once: the marker file ``<output dir>/rank_killed`` is made first, so a
+rank of the restarted run trains on. The metrics logged until then are copied to
+``<output dir>/metrics_before_kill.jsonl`` first, for the test to compare the restarted
+run's lines with. Not a flag: a test hook only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from vime.algo.losses import policy_loss as vime_policy_loss
+from vime.tracking import METRICS_FILE, read_metrics
+
+KILL_VAR = "VIME_TEST_KILL_RANK"
+MARKER = "rank_killed"
+BEFORE_KILL = "metrics_before_kill.jsonl"
+
+
+def _kill_due() -> bool:
+    spec = os.environ.get(KILL_VAR)
+    if not spec:
+        return False
+    output_dir, _, rollout = spec.rpartition(":")
+    logged = read_metrics(os.path.join(output_dir, METRICS_FILE))
+    if not logged or logged[-1]["rollout_id"] != int(rollout) - 1:
+        return False
+    try:  # only one rank, once: O_EXCL fails for every later caller
+        os.close(os.open(os.path.join(output_dir, MARKER), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    shutil.copyfile(os.path.join(output_dir, METRICS_FILE), os.path.join(output_dir, BEFORE_KILL))
+    return True
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """vime's policy loss; first ends this rank's process when ``KILL_VAR`` says so."""
+    if _kill_due():
+        os._exit(1)
+    return vime_policy_loss(logp, old_logp, advantages, mask, **kwargs)
