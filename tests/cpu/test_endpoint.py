@@ -203,7 +203,7 @@ async def _post(server, path, body, *, token=None, key=None, raw=None):
         ("/chat/completions", None, {"raw": b"{not json"}, 400, "invalid_json"),
         (
             "/chat/completions",
-            {"model": "vime", "messages": [{"role": "user", "content": "x"}], "stream": True},
+            {"model": "vime", "messages": [{"role": "user", "content": "x"}], "n": 2},
             {},
             400,
             "unsupported_value",
@@ -219,7 +219,7 @@ async def _post(server, path, body, *, token=None, key=None, raw=None):
     ],
 )
 def test_a_bad_request_gets_an_openai_shaped_error(server, path, body, kw, status, code) -> None:
-    """Missing messages, unknown model, bad token, bad JSON, streaming, no trajectory."""
+    """Missing messages, unknown model, bad token, bad JSON, n > 1, no trajectory."""
     reply = asyncio.run(_post(server, path, body, **kw))
     assert reply.status_code == status
     error = reply.json()["error"]

@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP endpoint on the run's engines: ``/v1/chat/completions``,
-``/v1/completions`` and ``/v1/models``, non-streaming.
+``/v1/completions`` and ``/v1/models``; ``stream=true`` is answered as one SSE stream
+of the whole completion once it is generated (agent loops that stream, as verifiers'
+chat program does, work unchanged).
 
 Where it fits: ``--agent-function-path`` (``vime.rollout.endpoint.agent``) starts one
 :class:`EndpointServer` per run, on 127.0.0.1 and a free port unless told otherwise,
@@ -23,7 +25,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from vime.rollout.endpoint.capture import Conversation, Refusal
@@ -119,7 +121,7 @@ def _app(server: EndpointServer) -> FastAPI:
         card = {"id": MODEL, "object": "model", "created": 0, "owned_by": "vime"}
         return JSONResponse({"object": "list", "data": [card]})
 
-    async def serve(request: Request, kind: str) -> JSONResponse:
+    async def serve(request: Request, kind: str) -> Response:
         try:
             if not server.authorized(request.headers.get("authorization")):
                 raise _bad_key()
@@ -127,18 +129,21 @@ def _app(server: EndpointServer) -> FastAPI:
             conversation, loop = server.conversation(request.headers.get(HEADER))
             run = _chat if kind == "chat" else _complete
             future = asyncio.run_coroutine_threadsafe(run(conversation, body), loop)
-            return JSONResponse(await asyncio.wrap_future(future))
+            out = await asyncio.wrap_future(future)
+            if body.get("stream"):
+                return StreamingResponse(_events(out, body), media_type="text/event-stream")
+            return JSONResponse(out)
         except Refusal as refusal:
             return error(refusal)
         except Exception as err:  # the engines failed: the rollout raises it too
             return error(Refusal(500, f"{type(err).__name__}: {err}", None, "server_error"))
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> JSONResponse:
+    async def chat(request: Request) -> Response:
         return await serve(request, "chat")
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
+    async def completions(request: Request) -> Response:
         return await serve(request, "completions")
 
     return app
@@ -159,8 +164,6 @@ def _request_body(raw: bytes, kind: str) -> dict[str, Any]:
     model = body.get("model")
     if model != MODEL:
         raise Refusal(404, f"the model {model!r} does not exist; use {MODEL!r}", "model_not_found")
-    if body.get("stream"):
-        raise Refusal(400, "stream=true is not supported; ask without it", "unsupported_value")
     if body.get("n", 1) != 1:
         raise Refusal(400, "only n=1 is supported: one completion per request", "unsupported_value")
     field = "messages" if kind == "chat" else "prompt"
@@ -217,3 +220,28 @@ def _response(conversation: Conversation, kind: str, choice: dict, turn: Any) ->
             "total_tokens": prompt + generated,
         },
     }
+
+
+def _events(out: dict[str, Any], body: dict[str, Any]) -> Any:
+    """A finished completion as OpenAI's server-sent events: one chunk holding the whole
+    message (or text), one with the finish reason, the usage when the request's
+    ``stream_options`` ask for it, then ``[DONE]``."""
+    choice = out["choices"][0]
+    kind = "chat.completion.chunk" if out["object"] == "chat.completion" else out["object"]
+    head = {k: out[k] for k in ("id", "created", "model")} | {"object": kind}
+    if kind == "chat.completion.chunk":
+        delta = dict(choice["message"])
+        calls = delta.pop("tool_calls", None)
+        if calls:  # a streamed call carries its index in the message's list
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+        first = {"index": 0, "delta": delta, "finish_reason": None}
+        last = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    else:
+        first = {"index": 0, "text": choice["text"], "finish_reason": None}
+        last = {"index": 0, "text": "", "finish_reason": choice["finish_reason"]}
+    chunks = [head | {"choices": [first]}, head | {"choices": [last]}]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append(head | {"choices": [], "usage": out["usage"]})
+    for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
