@@ -207,6 +207,14 @@ def add_agent_flags(p: argparse._ArgumentGroup) -> None:
         "run's engines that records each trajectory as token ids (docs/agents.md)",
     )
     p.add_argument(
+        "--environment",
+        default=None,
+        metavar="verifiers:MODULE:FACTORY",
+        help="a verifiers environment (FACTORY() returns a verifiers.v1.Env): its taskset "
+        "gives the prompts, its episodes run through the OpenAI endpoint as agents do, "
+        "its rubric gives the rewards (docs/agents.md)",
+    )
+    p.add_argument(
         "--endpoint-host",
         default=EndpointSettings.host,
         help="--agent-function-path: the address the endpoint listens on",

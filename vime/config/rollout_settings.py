@@ -16,6 +16,7 @@ import urllib.parse
 
 from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.data.reasoning_gym import is_gym_spec
+from vime.data.verifiers_env import is_verifiers_spec
 from vime.errors import ConfigError
 from vime.rollout.rewards import RewardSettings, load_custom_reward, reward_source
 from vime.rollout.settings import (
@@ -66,7 +67,10 @@ def reward_settings(args: argparse.Namespace) -> RewardSettings:
         group=args.group_rm,
         timeout_s=args.rm_timeout,
         max_retries=args.rm_max_retries,
-        task_data=data is None or data.startswith(BUILTIN_DATA_PREFIX) or is_gym_spec(data),
+        task_data=data is None
+        or data.startswith(BUILTIN_DATA_PREFIX)
+        or is_gym_spec(data)
+        or is_verifiers_spec(data),
     )
 
 
@@ -112,5 +116,6 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
         budget=args.rollout_max_response_len,
         stop_token_ids=tuple(args.rollout_stop_token_ids),
         agent_function=agent_function,
-        endpoint=endpoint_settings(args) if agent_function else None,
+        endpoint=endpoint_settings(args) if agent_function or args.environment else None,
+        environment=args.environment,
     )

@@ -22,6 +22,7 @@ from vime.config.lora_flags import check_lora
 from vime.config.model_args import check_model_args_against_checkpoint
 from vime.config.rollout_flags import DEFAULT_OVER_SAMPLING_FACTOR
 from vime.data.reasoning_gym import is_gym_spec
+from vime.data.verifiers_env import is_verifiers_spec
 from vime.errors import ConfigError
 from vime.rollout.engines import registry as engine_registry
 from vime.rollout.tools import parsers as tool_parsers
@@ -34,6 +35,7 @@ def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
     configuration for one part (a train actor in a test) need not name any.
     """
     args.data_parallel_size = registry.validator(args.train_backend)(args)
+    _check_environment(args)
     _check_paths(args)
     check_model_args_against_checkpoint(args)
     if for_run and args.prompt_data is None:
@@ -56,6 +58,47 @@ def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
     _check_logging(args)
 
 
+def _check_environment(args: argparse.Namespace) -> None:
+    """``--environment verifiers:MODULE:FACTORY``: it alone gives the prompts and the
+    trajectories, and it loads now (verifiers imported, the factory called); its taskset
+    becomes the prompt data."""
+    spec = args.environment
+    if spec is None:
+        return
+    from vime.data import verifiers_env  # deferred: --help does without it
+
+    if not verifiers_env.is_verifiers_spec(spec):
+        raise ConfigError(f"--environment {spec}: write verifiers:MODULE:FACTORY")
+    given = [
+        flag
+        for flag, value in (
+            ("--prompt-data", args.prompt_data),
+            ("--tools", args.tools),
+            ("--custom-generate-function-path", args.custom_generate_function_path),
+            ("--agent-function-path", args.agent_function_path),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ConfigError(
+            f"--environment and {' and '.join(given)}: the environment gives the prompts "
+            "and runs the trajectories itself; drop the other"
+        )
+    if not args.apply_chat_template:
+        raise ConfigError("--environment talks to the model in chat: add --apply-chat-template")
+    missing = [m for m in ("fastapi", "uvicorn", "openai") if not _importable(m)]
+    if missing:
+        raise ConfigError(f"--environment needs {', '.join(missing)}: pip install -e '.[agents]'")
+    verifiers_env.check_spec(spec)
+    args.prompt_data = spec
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
 def _check_paths(args: argparse.Namespace) -> None:
     if args.hf_checkpoint is not None and not os.path.isdir(args.hf_checkpoint):
         raise ConfigError(
@@ -67,7 +110,10 @@ def _check_paths(args: argparse.Namespace) -> None:
         ("--eval-prompt-data", args.eval_prompt_data),
     ):
         is_file_path = (
-            path is not None and not path.startswith(BUILTIN_DATA_PREFIX) and not is_gym_spec(path)
+            path is not None
+            and not path.startswith(BUILTIN_DATA_PREFIX)
+            and not is_gym_spec(path)
+            and not is_verifiers_spec(path)
         )
         if is_file_path and not os.path.isfile(path):
             raise ConfigError(
@@ -440,7 +486,8 @@ def _check_tool_parser(args: argparse.Namespace) -> None:
     args.tool_parser = name or tool_parsers.AUTO
     if name is None:
         return
-    if args.tools is None and args.agent_function_path is None:
+    endpoint = args.agent_function_path is not None or args.environment is not None
+    if args.tools is None and not endpoint:
         why = (
             "a --custom-generate-function-path function reads its own turns"
             if args.custom_generate_function_path is not None
@@ -451,7 +498,7 @@ def _check_tool_parser(args: argparse.Namespace) -> None:
         )
     if name == tool_parsers.AUTO:
         return
-    if args.agent_function_path is not None:
+    if endpoint:
         if not tool_parsers.get_tool_parser(name).chat:
             raise ConfigError(
                 f"--tool-parser {name}: the endpoint reads tool calls from chat turns; use "

@@ -28,6 +28,8 @@ from typing import Any
 from vime.data.reasoning_gym import PREFIX as GYM_PREFIX
 from vime.data.reasoning_gym import load_gym_prompts
 from vime.data.tasks import SPLITS, Task, get_task
+from vime.data.verifiers_env import PREFIX as VERIFIERS_PREFIX
+from vime.data.verifiers_env import load_env_prompts
 from vime.errors import ConfigError
 
 BUILTIN_PREFIX = "builtin:"
@@ -83,6 +85,10 @@ def load_prompts(
         return _load_builtin(spec, seed)
     if spec.startswith(GYM_PREFIX):
         return _load_gym(spec, seed, say)
+    if spec.startswith(VERIFIERS_PREFIX):
+        rows = load_env_prompts(spec)
+        meta = {"task": spec}
+        return [Prompt(text=t, label=i, metadata=dict(meta), index=i) for t, i in rows]
     path = Path(spec)
     suffix = path.suffix.lower()
     if suffix not in (".jsonl", ".parquet"):

@@ -110,3 +110,4 @@ class AgentSettings:
     stop_token_ids: tuple[int, ...]
     agent_function: str | None = None
     endpoint: EndpointSettings | None = None
+    environment: str | None = None  # --environment: a verifiers environment's agent

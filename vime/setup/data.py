@@ -22,6 +22,7 @@ from vime.data.prompts import (
     render_prompt,
 )
 from vime.data.reasoning_gym import gym_task, is_gym_spec
+from vime.data.verifiers_env import VerifiersTask, is_verifiers_spec
 from vime.rollout.rewards import build_reward_scorer
 from vime.rollout.settings import AgentSettings
 from vime.rollout.tools.loop import check_tool_format
@@ -137,6 +138,8 @@ def _task(spec: str | None) -> Any:
     task, or None for a file."""
     if is_gym_spec(spec):
         return gym_task(spec)
+    if is_verifiers_spec(spec):
+        return VerifiersTask(spec)
     name = builtin_task_of(spec or "")
     if name is None:
         return None

@@ -117,7 +117,13 @@ def build_endpoint_agent(settings: Any, tokenizer: Any, engines: Any) -> AgentRo
     from vime.rollout.tools.parsers import resolve_tool_parser
 
     endpoint = settings.endpoint
-    fn = load_agent_function(settings.agent_function)
+    if settings.environment is not None:
+        from vime.rollout.endpoint.verifiers_agent import environment_agent
+
+        fn, name = environment_agent(settings.environment), f"--environment {settings.environment}"
+    else:
+        fn = load_agent_function(settings.agent_function)
+        name = f"--agent-function-path {settings.agent_function}"
     spec = resolve_tool_parser(endpoint.parser, True)
     parse = resolve(spec.parse)
     stops = frozenset(stop_token_ids(settings.stop_token_ids, tokenizer.eos_token_id))
@@ -130,5 +136,4 @@ def build_endpoint_agent(settings: Any, tokenizer: Any, engines: Any) -> AgentRo
         parse=lambda text: parse(text, None),
         stops=stops,
     )
-    name = f"--agent-function-path {settings.agent_function}"
     return AgentRollouts(agent, engines, settings.budget, name=name, close=server.close)

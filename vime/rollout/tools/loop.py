@@ -263,7 +263,7 @@ def build_agent(
     the caller closes it), ``--custom-generate-function-path``, the tool loop over
     ``toolbox`` (``--tools``), or None for one engine call per prompt."""
     budget = settings.budget
-    if settings.agent_function is not None:
+    if settings.agent_function is not None or settings.environment is not None:
         from vime.rollout.endpoint.agent import build_endpoint_agent  # fastapi, openai
 
         return build_endpoint_agent(settings, tokenizer, engines)
