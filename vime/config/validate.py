@@ -16,16 +16,16 @@ import os
 from typing import Any
 
 from vime.backends import registry
+from vime.config.agent_checks import check_agent
 from vime.config.algo_flags import check_algorithm
 from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.config.lora_flags import check_lora
 from vime.config.model_args import check_model_args_against_checkpoint
 from vime.config.rollout_flags import DEFAULT_OVER_SAMPLING_FACTOR
 from vime.data.reasoning_gym import is_gym_spec
-from vime.data.verifiers_env import is_verifiers_spec
+from vime.data.verifiers_env import check_environment, is_verifiers_spec
 from vime.errors import ConfigError
 from vime.rollout.engines import registry as engine_registry
-from vime.rollout.tools import parsers as tool_parsers
 
 
 def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
@@ -35,7 +35,7 @@ def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
     configuration for one part (a train actor in a test) need not name any.
     """
     args.data_parallel_size = registry.validator(args.train_backend)(args)
-    _check_environment(args)
+    check_environment(args)
     _check_paths(args)
     check_model_args_against_checkpoint(args)
     if for_run and args.prompt_data is None:
@@ -50,53 +50,12 @@ def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
     _check_sampling(args)
     _check_dynamic_sampling(args)
     check_algorithm(args)
-    _check_agent(args)
+    check_agent(args)
     _check_rewards(args)
     _check_optimizer(args)
     check_lora(args)
     _check_checkpointing(args)
     _check_logging(args)
-
-
-def _check_environment(args: argparse.Namespace) -> None:
-    """``--environment verifiers:MODULE:FACTORY``: it alone gives the prompts and the
-    trajectories, and it loads now (verifiers imported, the factory called); its taskset
-    becomes the prompt data."""
-    spec = args.environment
-    if spec is None:
-        return
-    from vime.data import verifiers_env  # deferred: --help does without it
-
-    if not verifiers_env.is_verifiers_spec(spec):
-        raise ConfigError(f"--environment {spec}: write verifiers:MODULE:FACTORY")
-    given = [
-        flag
-        for flag, value in (
-            ("--prompt-data", args.prompt_data),
-            ("--tools", args.tools),
-            ("--custom-generate-function-path", args.custom_generate_function_path),
-            ("--agent-function-path", args.agent_function_path),
-        )
-        if value is not None
-    ]
-    if given:
-        raise ConfigError(
-            f"--environment and {' and '.join(given)}: the environment gives the prompts "
-            "and runs the trajectories itself; drop the other"
-        )
-    if not args.apply_chat_template:
-        raise ConfigError("--environment talks to the model in chat: add --apply-chat-template")
-    missing = [m for m in ("fastapi", "uvicorn", "openai") if not _importable(m)]
-    if missing:
-        raise ConfigError(f"--environment needs {', '.join(missing)}: pip install -e '.[agents]'")
-    verifiers_env.check_spec(spec)
-    args.prompt_data = spec
-
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -414,113 +373,6 @@ def _check_dynamic_sampling(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--over-sampling-factor must be >= 1 (a round asks for at least the missing "
             f"groups), got {factor}"
-        )
-
-
-def _check_agent(args: argparse.Namespace) -> None:
-    """Multi-turn rollouts: a built-in tool task implies its tools; the tools or the
-    generate function import now, so a broken one fails at start-up."""
-    from vime.data.prompts import builtin_task_of  # deferred: --help does without it
-
-    task = builtin_task_of(args.prompt_data) if args.prompt_data else None
-    if task:
-        from vime.data.tasks import get_task
-
-        implied = getattr(get_task(task), "tools", "")
-        if implied and args.tools is None and args.custom_generate_function_path is None:
-            args.tools = implied
-    given = [
-        flag
-        for flag, value in (
-            ("--tools", args.tools),
-            ("--custom-generate-function-path", args.custom_generate_function_path),
-            ("--agent-function-path", args.agent_function_path),
-        )
-        if value is not None
-    ]
-    if len(given) > 1:
-        raise ConfigError(
-            f"{' and '.join(given)} each generate the trajectories; give one (a custom "
-            "function or an agent can run tools itself)"
-        )
-    _check_tool_parser(args)
-    if args.tools is not None:
-        from vime.config.rollout_settings import tool_loop_settings
-
-        tool_loop_settings(args)  # the loop's limits, checked at parse time
-        from vime.rollout.tools.toolbox import load_tools
-
-        load_tools(args.tools).close()
-    if args.custom_generate_function_path is not None:
-        from vime.rollout.agent import load_generate_function
-
-        load_generate_function(args.custom_generate_function_path)
-    if args.agent_function_path is not None:
-        _check_agent_function(args)
-
-
-def _check_agent_function(args: argparse.Namespace) -> None:
-    """``--agent-function-path``: the endpoint's packages are there, its settings in range
-    and the function imports, now rather than when the run starts."""
-    import importlib.util
-
-    missing = [m for m in ("fastapi", "uvicorn", "openai") if not importlib.util.find_spec(m)]
-    if missing:
-        raise ConfigError(
-            f"--agent-function-path needs {', '.join(missing)}: pip install -e '.[agents]'"
-        )
-    from vime.config.rollout_settings import endpoint_settings
-    from vime.rollout.endpoint.agent import load_agent_function
-
-    endpoint_settings(args)  # the endpoint's values, checked at parse time
-    load_agent_function(args.agent_function_path)
-
-
-def _check_tool_parser(args: argparse.Namespace) -> None:
-    """``--tool-parser`` (default auto): only the tool loop reads turns with it, and a
-    named parser must fit the prompts' form. Whether an ``--hf-checkpoint``'s tokenizer
-    has a chat template is known once it is loaded (the run checks it then, before
-    Ray starts: ``vime.rollout.tools.loop.check_tool_format``); the embedded model's has
-    none."""
-    name = args.tool_parser
-    args.tool_parser = name or tool_parsers.AUTO
-    if name is None:
-        return
-    endpoint = args.agent_function_path is not None or args.environment is not None
-    if args.tools is None and not endpoint:
-        why = (
-            "a --custom-generate-function-path function reads its own turns"
-            if args.custom_generate_function_path is not None
-            else "add --tools MODULE:NAME, or drop it"
-        )
-        raise ConfigError(
-            f"--tool-parser {name} applies only to --tools and --agent-function-path; {why}"
-        )
-    if name == tool_parsers.AUTO:
-        return
-    if endpoint:
-        if not tool_parsers.get_tool_parser(name).chat:
-            raise ConfigError(
-                f"--tool-parser {name}: the endpoint reads tool calls from chat turns; use "
-                "hermes, llama3_json or auto"
-            )
-        return
-    if not tool_parsers.get_tool_parser(name).chat:
-        if args.apply_chat_template:
-            raise ConfigError(
-                f"--tool-parser {name} appends the tools' answers as raw text, not as the "
-                "chat template's tool turns; drop --apply-chat-template, or use "
-                "--tool-parser hermes or llama3_json"
-            )
-    elif args.hf_checkpoint is None:
-        raise ConfigError(
-            f"--tool-parser {name} reads turns a chat template frames, and the embedded "
-            "model (no --hf-checkpoint) has none; use --tool-parser plain or auto"
-        )
-    elif not args.apply_chat_template:
-        raise ConfigError(
-            f"--tool-parser {name} reads turns a chat template frames and renders the "
-            "tools' answers with it; add --apply-chat-template"
         )
 
 

@@ -1,0 +1,121 @@
+"""Checks of the agent flags: ``--tools``, ``--custom-generate-function-path``,
+``--agent-function-path`` and ``--tool-parser``.
+
+Where it fits: ``vime.config.validate`` calls ``check_agent`` with the other flag
+checks; the tools, the generate function and the agent function are imported here,
+at parse time, so a broken one fails at start-up rather than mid-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vime.errors import ConfigError
+from vime.rollout.tools import parsers as tool_parsers
+
+
+def check_agent(args: argparse.Namespace) -> None:
+    """Multi-turn rollouts: a built-in tool task implies its tools; the tools or the
+    generate function import now, so a broken one fails at start-up."""
+    from vime.data.prompts import builtin_task_of  # deferred: --help does without it
+
+    task = builtin_task_of(args.prompt_data) if args.prompt_data else None
+    if task:
+        from vime.data.tasks import get_task
+
+        implied = getattr(get_task(task), "tools", "")
+        if implied and args.tools is None and args.custom_generate_function_path is None:
+            args.tools = implied
+    given = [
+        flag
+        for flag, value in (
+            ("--tools", args.tools),
+            ("--custom-generate-function-path", args.custom_generate_function_path),
+            ("--agent-function-path", args.agent_function_path),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ConfigError(
+            f"{' and '.join(given)} each generate the trajectories; give one (a custom "
+            "function or an agent can run tools itself)"
+        )
+    _check_tool_parser(args)
+    if args.tools is not None:
+        from vime.config.rollout_settings import tool_loop_settings
+
+        tool_loop_settings(args)  # the loop's limits, checked at parse time
+        from vime.rollout.tools.toolbox import load_tools
+
+        load_tools(args.tools).close()
+    if args.custom_generate_function_path is not None:
+        from vime.rollout.agent import load_generate_function
+
+        load_generate_function(args.custom_generate_function_path)
+    if args.agent_function_path is not None:
+        _check_agent_function(args)
+
+
+def _check_agent_function(args: argparse.Namespace) -> None:
+    """``--agent-function-path``: the endpoint's packages are there, its settings in range
+    and the function imports, now rather than when the run starts."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "openai") if not importlib.util.find_spec(m)]
+    if missing:
+        raise ConfigError(
+            f"--agent-function-path needs {', '.join(missing)}: pip install -e '.[agents]'"
+        )
+    from vime.config.rollout_settings import endpoint_settings
+    from vime.rollout.endpoint.agent import load_agent_function
+
+    endpoint_settings(args)  # the endpoint's values, checked at parse time
+    load_agent_function(args.agent_function_path)
+
+
+def _check_tool_parser(args: argparse.Namespace) -> None:
+    """``--tool-parser`` (default auto): only the tool loop reads turns with it, and a
+    named parser must fit the prompts' form. Whether an ``--hf-checkpoint``'s tokenizer
+    has a chat template is known once it is loaded (the run checks it then, before
+    Ray starts: ``vime.rollout.tools.loop.check_tool_format``); the embedded model's has
+    none."""
+    name = args.tool_parser
+    args.tool_parser = name or tool_parsers.AUTO
+    if name is None:
+        return
+    endpoint = args.agent_function_path is not None or args.environment is not None
+    if args.tools is None and not endpoint:
+        why = (
+            "a --custom-generate-function-path function reads its own turns"
+            if args.custom_generate_function_path is not None
+            else "add --tools MODULE:NAME, or drop it"
+        )
+        raise ConfigError(
+            f"--tool-parser {name} applies only to --tools and --agent-function-path; {why}"
+        )
+    if name == tool_parsers.AUTO:
+        return
+    if endpoint:
+        if not tool_parsers.get_tool_parser(name).chat:
+            raise ConfigError(
+                f"--tool-parser {name}: the endpoint reads tool calls from chat turns; use "
+                "hermes, llama3_json or auto"
+            )
+        return
+    if not tool_parsers.get_tool_parser(name).chat:
+        if args.apply_chat_template:
+            raise ConfigError(
+                f"--tool-parser {name} appends the tools' answers as raw text, not as the "
+                "chat template's tool turns; drop --apply-chat-template, or use "
+                "--tool-parser hermes or llama3_json"
+            )
+    elif args.hf_checkpoint is None:
+        raise ConfigError(
+            f"--tool-parser {name} reads turns a chat template frames, and the embedded "
+            "model (no --hf-checkpoint) has none; use --tool-parser plain or auto"
+        )
+    elif not args.apply_chat_template:
+        raise ConfigError(
+            f"--tool-parser {name} reads turns a chat template frames and renders the "
+            "tools' answers with it; add --apply-chat-template"
+        )
