@@ -59,6 +59,24 @@ def _cluster(p: argparse._ArgumentGroup) -> None:
     )
 
 
+def _train_step_flags(p: argparse._ArgumentGroup) -> None:
+    """How the training step runs its decoder blocks and its LM head."""
+    p.add_argument(
+        "--compile-decoder",
+        action="store_true",
+        help="torch.compile each decoder block's forward (both backends; the packed-row "
+        "attention stays out of the graphs); the first steps pay for compiling",
+    )
+    p.add_argument(
+        "--lm-head-tail",
+        choices=LM_HEAD_TAILS,
+        default="auto",
+        help="how training log-probs leave the LM head: 'fused' projects only the loss "
+        "positions, a chunk at a time, so no [tokens, vocab] logits exist; 'logits' "
+        "computes whole logits; 'auto' is fused on CUDA, logits on the CPU",
+    )
+
+
 def _prompt_sources(p: argparse._ArgumentGroup) -> None:
     """The model, the prompts and the held-out prompts."""
     p.add_argument(
@@ -74,20 +92,7 @@ def _prompt_sources(p: argparse._ArgumentGroup) -> None:
         help="keep the checkpoint's dropout in the RL forwards (log-probs, reference, "
         "update); by default every dropout probability of its config is set to 0",
     )
-    p.add_argument(
-        "--compile-decoder",
-        action="store_true",
-        help="torch.compile each decoder block's forward (both backends; the packed-row "
-        "attention stays out of the graphs); the first steps pay for compiling",
-    )
-    p.add_argument(
-        "--lm-head-tail",
-        choices=LM_HEAD_TAILS,
-        default="auto",
-        help="how training log-probs leave the LM head: 'fused' projects only the loss "
-        "positions, a chunk at a time, so no [tokens, vocab] logits exist; 'logits' "
-        "computes whole logits; 'auto' is fused on CUDA, logits on the CPU",
-    )
+    _train_step_flags(p)
     p.add_argument(
         "--prompt-data",
         default=None,

@@ -214,6 +214,12 @@ def add_agent_flags(p: argparse._ArgumentGroup) -> None:
         "gives the prompts, its episodes run through the OpenAI endpoint as agents do, "
         "its rubric gives the rewards (docs/agents.md)",
     )
+    _endpoint_flags(p)
+    _tool_loop_flags(p)
+
+
+def _endpoint_flags(p: argparse._ArgumentGroup) -> None:
+    """Where --agent-function-path's OpenAI-compatible endpoint listens."""
     p.add_argument(
         "--endpoint-host",
         default=EndpointSettings.host,
@@ -225,6 +231,10 @@ def add_agent_flags(p: argparse._ArgumentGroup) -> None:
         default=EndpointSettings.port,
         help="--agent-function-path: the endpoint's port (0: a free one)",
     )
+
+
+def _tool_loop_flags(p: argparse._ArgumentGroup) -> None:
+    """How a trajectory's turns and tool calls are bounded and read."""
     p.add_argument(
         "--max-turns",
         type=positive_int,

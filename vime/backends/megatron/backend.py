@@ -20,12 +20,11 @@ splits the layers into stages (``pipeline.py``) and runs each step's micro-batch
 through megatron-core's 1F1B schedule; only the last stage computes the loss, and
 its log-probs are broadcast to the other stages.
 
-Optimizer: torch ``AdamW`` over the local (TP-sharded) parameters with the same
-decay groups as fsdp2. AdamW is elementwise, so sharded AdamW is the same update as
-unsharded AdamW. ``--megatron-use-distributed-optimizer`` switches to megatron-core's
-own DDP wrapper and ``DistributedOptimizer`` (``distrib_optim.py``): fp32 gradient
-buffers reduce-scattered over DP, fp32 main weights and moments sharded over DP,
-updated weights all-gathered -- on the CPU too, through ``shims``.
+Optimizer: torch ``AdamW`` over the local (TP-sharded) parameters, decay groups as
+fsdp2's (elementwise: the unsharded update). ``--megatron-use-distributed-optimizer``
+switches to megatron-core's own DDP wrapper and ``DistributedOptimizer``
+(``distrib_optim.py``): fp32 gradient buffers reduce-scattered over DP, fp32 main
+weights and moments sharded over DP, updated weights all-gathered -- on the CPU too.
 
 Precision: ``--megatron-param-dtype bfloat16`` (the default on GPU) builds the model
 in bf16 and gives the optimizer fp32 main weights that also hold the gradients
@@ -33,27 +32,8 @@ in bf16 and gives the optimizer fp32 main weights that also hold the gradients
 step re-rounds the bf16 weights from them. fp32 (the CPU default) trains the model's
 own weights.
 
-Checkpoints: megatron-core's own ``dist_checkpointing`` (``checkpoint.py``), in
-the folder ``vime.checkpoint`` hands out and commits (``iter_N`` + tracker, written
-atomically by ``PolicyTrainActor.save``). Each rank saves its TP shard as
-``GPTModel.sharded_state_dict()`` describes it -- megatron-core knows its own
-layouts (fused QKV per query group, swiglu ``fc1`` halves, vocab padding) -- with
-the AdamW moments sharded like their parameters and the step as common state. No
-rank gathers full tensors, the checkpoint is megatron-core's own format, and its
-global layout does not depend on the TP size: a load at another TP size is
-megatron-core's re-split, bitwise for every real (non-padding) row. The distributed
-optimizer saves its state in megatron-core's ``dp_reshardable`` form instead, which
-loads at another DP size only. RNG streams are restored only when world size and TP
-size match.
-
-Layers: megatron-core's local ones, or TransformerEngine's with
-``--megatron-transformer-impl transformer_engine`` (``model.py``). TE's fuse the
-layer norms into the linears after them, so the HF maps are built with
-``convert``'s ``fused_norms`` then; nothing else here names a norm. The weight
-tensors' checkpoint keys are the same under both (megatron-core maps the local norm
-names onto TE's), but TE's norms (TE 2's operation-based RMSNorm) also save an
-``_extra_state`` the local ones lack and the load is strict, so a checkpoint resumes
-under the impl that saved it only (HF export moves weights across).
+Checkpoints (megatron-core's ``dist_checkpointing``, ``checkpoint.py``) and the layer
+implementations (local or TransformerEngine, ``model.py``): ``docs/architecture.md``.
 """
 
 from __future__ import annotations

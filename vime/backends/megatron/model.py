@@ -1,11 +1,9 @@
 """Build megatron-core's ``GPTModel`` for an HF config and forward the planner's packed rows.
 
 Where it fits: the megatron backend builds its model here, loads the weights converted
-by ``convert.hf_to_megatron`` with ``load_megatron_state``, and forwards each
-micro-batch with ``stage_forward``; its logits go through the same
-``vime.data.micro_batch.response_log_probs`` and ``vime.algo`` loss as the fsdp2
-backend (under tensor parallelism each rank's vocabulary shard, reduced by
-``vocab_parallel``; ``packed_logits`` gathers the full vocabulary, for tests).
+by ``convert.hf_to_megatron`` (``load_megatron_state``) and forwards each micro-batch
+with ``stage_forward``; its logits meet the fsdp2 backend's log-prob and loss code
+(under TP a vocabulary shard each, reduced by ``vocab_parallel``).
 
 Packed rows go in megatron-core's THD format: ``PackedSeqParams`` whose ``cu_seqlens``
 cover every position run of the row, so RoPE restarts per run (per-token angles,
@@ -14,14 +12,10 @@ block-diagonal causal mask (``block_causal_mask``), RoPE following ``position_id
 is what tests check THD against.
 
 Layers (``--megatron-transformer-impl``, ``build_gpt_model``): ``local`` (the default,
-the only one on the CPU) is megatron-core's local spec with torch's RMSNorm and
-``PackedDotProductAttention``, which attends per run through
-``vime.backends.varlen_attention``, exactly as HF computes each sample alone;
-``transformer_engine`` (CUDA) uses TE's fused norm + linear layers and THD attention,
-checked against the local layers by ``tests/gpu/test_megatron_gpu.py``. TE holds each
-layer's norms inside the next linear, so parameter names differ (``fuses_norms``,
-``convert.param_map(fused_norms=True)``); checkpoint keys do not
-(``sharded_state_dict_keys_map``).
+the only one on the CPU), megatron-core's local spec whose ``PackedDotProductAttention``
+attends per run through ``vime.backends.varlen_attention``; ``transformer_engine``
+(CUDA), TE's fused norm + linear layers, whose parameter names differ
+(``fuses_norms``, ``convert.param_map(fused_norms=True)``) and checkpoint keys do not.
 """
 
 from __future__ import annotations
