@@ -1,5 +1,5 @@
 """Checks of the agent flags: ``--tools``, ``--custom-generate-function-path``,
-``--agent-function-path`` and ``--tool-parser``.
+``--agent-function-path``, ``--tool-parser`` and ``--environment``.
 
 Where it fits: ``vime.config.validate`` calls ``check_agent`` with the other flag
 checks; the tools, the generate function and the agent function are imported here,
@@ -9,7 +9,10 @@ at parse time, so a broken one fails at start-up rather than mid-run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
+from vime.config.flag_types import given_flags
+from vime.data import verifiers_env
 from vime.errors import ConfigError
 from vime.rollout.tools import parsers as tool_parsers
 
@@ -26,15 +29,7 @@ def check_agent(args: argparse.Namespace) -> None:
         implied = getattr(get_task(task), "tools", "")
         if implied and args.tools is None and args.custom_generate_function_path is None:
             args.tools = implied
-    given = [
-        flag
-        for flag, value in (
-            ("--tools", args.tools),
-            ("--custom-generate-function-path", args.custom_generate_function_path),
-            ("--agent-function-path", args.agent_function_path),
-        )
-        if value is not None
-    ]
+    given = given_flags(args, "tools", "custom_generate_function_path", "agent_function_path")
     if len(given) > 1:
         raise ConfigError(
             f"{' and '.join(given)} each generate the trajectories; give one (a custom "
@@ -119,3 +114,29 @@ def _check_tool_parser(args: argparse.Namespace) -> None:
             f"--tool-parser {name} reads turns a chat template frames and renders the "
             "tools' answers with it; add --apply-chat-template"
         )
+
+
+def check_environment(args: argparse.Namespace) -> None:
+    """``--environment verifiers:MODULE:FACTORY``: it alone gives the prompts and the
+    trajectories, and it loads now (verifiers imported, the factory called); its taskset
+    becomes the prompt data."""
+    spec = args.environment
+    if spec is None:
+        return
+    if not verifiers_env.is_verifiers_spec(spec):
+        raise ConfigError(f"--environment {spec}: write verifiers:MODULE:FACTORY")
+    given = given_flags(
+        args, "prompt_data", "tools", "custom_generate_function_path", "agent_function_path"
+    )
+    if given:
+        raise ConfigError(
+            f"--environment and {' and '.join(given)}: the environment gives the prompts "
+            "and runs the trajectories itself; drop the other"
+        )
+    if not args.apply_chat_template:
+        raise ConfigError("--environment talks to the model in chat: add --apply-chat-template")
+    missing = [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"--environment needs {', '.join(missing)}: pip install -e '.[agents]'")
+    verifiers_env.check_spec(spec)
+    args.prompt_data = spec

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from vime.config.flag_types import positive_int
+from vime.config.flag_types import given_flags, positive_int
 from vime.errors import ConfigError
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -245,16 +245,7 @@ def _check_correction(args: argparse.Namespace) -> None:
     """
     if args.use_tis is None:
         args.use_tis = args.max_staleness > 0
-    given = [
-        flag
-        for flag, value in (
-            ("--tis-level", args.tis_level),
-            ("--tis-mode", args.tis_mode),
-            ("--tis-clip", args.tis_clip),
-            ("--tis-clip-low", args.tis_clip_low),
-        )
-        if value is not None
-    ]
+    given = given_flags(args, "tis_level", "tis_mode", "tis_clip", "tis_clip_low")
     if not args.use_tis:
         if given:
             raise ConfigError(f"{given[0]} needs --use-tis (the rollout correction is off)")

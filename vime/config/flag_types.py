@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def positive_int(text: str) -> int:
@@ -17,3 +18,9 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def given_flags(args: Any, *dests: str) -> list[str]:
+    """The flags (``--dest-name``) among ``dests`` that hold a value on ``args``, in
+    order: what a check names when flags that exclude each other were given together."""
+    return ["--" + dest.replace("_", "-") for dest in dests if getattr(args, dest) is not None]

@@ -16,14 +16,14 @@ import os
 from typing import Any
 
 from vime.backends import registry
-from vime.config.agent_checks import check_agent
+from vime.config.agent_checks import check_agent, check_environment
 from vime.config.algo_flags import check_algorithm
 from vime.config.flags import BUILTIN_DATA_PREFIX
 from vime.config.lora_flags import check_lora
 from vime.config.model_args import check_model_args_against_checkpoint
 from vime.config.rollout_flags import DEFAULT_OVER_SAMPLING_FACTOR
 from vime.data.reasoning_gym import is_gym_spec
-from vime.data.verifiers_env import check_environment, is_verifiers_spec
+from vime.data.verifiers_env import is_verifiers_spec
 from vime.errors import ConfigError
 from vime.rollout.engines import registry as engine_registry
 

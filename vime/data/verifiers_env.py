@@ -17,7 +17,6 @@ runtime (a container or a cloud sandbox), and a task that needs a container, are
 from __future__ import annotations
 
 import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,36 +154,3 @@ class VerifiersTask:
 
     def is_correct(self, response: str, label: Any) -> bool:
         return False
-
-
-def check_environment(args: Any) -> None:
-    """``--environment verifiers:MODULE:FACTORY``: it alone gives the prompts and the
-    trajectories, and it loads now (verifiers imported, the factory called); its taskset
-    becomes the prompt data."""
-    spec = args.environment
-    if spec is None:
-        return
-    if not is_verifiers_spec(spec):
-        raise ConfigError(f"--environment {spec}: write verifiers:MODULE:FACTORY")
-    given = [
-        flag
-        for flag, value in (
-            ("--prompt-data", args.prompt_data),
-            ("--tools", args.tools),
-            ("--custom-generate-function-path", args.custom_generate_function_path),
-            ("--agent-function-path", args.agent_function_path),
-        )
-        if value is not None
-    ]
-    if given:
-        raise ConfigError(
-            f"--environment and {' and '.join(given)}: the environment gives the prompts "
-            "and runs the trajectories itself; drop the other"
-        )
-    if not args.apply_chat_template:
-        raise ConfigError("--environment talks to the model in chat: add --apply-chat-template")
-    missing = [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ConfigError(f"--environment needs {', '.join(missing)}: pip install -e '.[agents]'")
-    check_spec(spec)
-    args.prompt_data = spec
