@@ -38,3 +38,15 @@ def local_ray() -> Iterator[ModuleType]:
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def gqa_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The budget tests' model: the actor harness's tiny Qwen3 with 2 KV heads (GQA),
+    saved once as an HF folder."""
+    from actor_harness import VOCAB
+    from tiny_models import save_tiny, tiny_qwen3_config
+
+    config = tiny_qwen3_config(VOCAB)
+    config.num_key_value_heads = 2
+    return save_tiny(tmp_path_factory.mktemp("tiny_qwen3_gqa"), config, seed=0)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from actor_harness import VOCAB, actor_args, counted_train, make_batch, spawn
-from tiny_models import save_tiny, tiny_qwen3_config
+from tiny_models import tiny_qwen3_config
 
 from vime.launch_budget import LaunchCounter
 from vime.sync_budget import host_only
@@ -53,13 +53,6 @@ def test_counter_counts_kernels_not_views() -> None:
     assert counter.counts["row"] == {"mul": 1, "clone": 3, "add_": 1, "_foreach_mul_": 1}
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> str:
-    config = tiny_qwen3_config(VOCAB)
-    config.num_key_value_heads = 2
-    return save_tiny(tmp_path_factory.mktemp("tiny_qwen3_launch"), config, seed=0)
-
-
 def _count_job(rank: int, world: int, backend: str, args) -> dict:
     # The forward-only log-prob passes (KL reference, old policy) apart: the naive step
     # has none.
@@ -80,10 +73,10 @@ def _figures(counter: LaunchCounter, rows: int, steps: int) -> dict:
     }
 
 
-def _naive(hf_dir: str, args, rollout: int) -> dict:
+def _naive(gqa_hf_dir: str, args, rollout: int) -> dict:
     """The naive padded step on ``rollout``'s samples in rows of as many as the actor's,
     as many updates as its plan has (the same model, one warm-up rollout first)."""
-    model, opt = bench.naive_model(hf_dir, torch.device("cpu"), args.lr)
+    model, opt = bench.naive_model(gqa_hf_dir, torch.device("cpu"), args.lr)
     per_step = args.global_batch_size // args.micro_batch_size
     counted = {}
     for rollout_id in (rollout - 1, rollout):
@@ -117,13 +110,13 @@ def record(name: str, got: dict, layers: int, naive: dict | None = None) -> floa
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
-def test_train_step_holds_the_launch_budget(backend: str, hf_dir, tmp_path: Path) -> None:
+def test_train_step_holds_the_launch_budget(backend: str, gqa_hf_dir, tmp_path: Path) -> None:
     if backend == "megatron":
         pytest.importorskip("megatron.core")
-    args = actor_args(hf_dir, 1, backend=backend)
+    args = actor_args(gqa_hf_dir, 1, backend=backend)
     layers = tiny_qwen3_config(VOCAB).num_hidden_layers
     got = spawn(_count_job, 1, tmp_path, backend, args)
-    naive = _naive(hf_dir, args, got["rollout"])
+    naive = _naive(gqa_hf_dir, args, got["rollout"])
     record("naive HF (padded)", naive, layers)
     ratio = record(backend, got, layers, naive)
     assert got["steps"] == naive["steps"] == 2 and got["rows"] == naive["rows"] > 0

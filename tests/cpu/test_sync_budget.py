@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from actor_harness import VOCAB, actor_args, counted_train, spawn
-from tiny_models import save_tiny, tiny_qwen3_config
+from actor_harness import actor_args, counted_train, spawn
 
 from vime import device
 from vime.sync_budget import SyncCounter, host_only
@@ -60,13 +59,6 @@ def test_counter_skips_host_work_and_async_copies() -> None:
     assert counter.total("row") == 0 and counter.total("other") == 0
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> str:
-    config = tiny_qwen3_config(VOCAB)
-    config.num_key_value_heads = 2
-    return save_tiny(tmp_path_factory.mktemp("tiny_qwen3_sync"), config, seed=0)
-
-
 def _count_job(rank: int, world: int, backend: str, args) -> dict:
     counter = SyncCounter()
     got = counted_train(backend, args, world, counter, forward_phase="rows")
@@ -90,10 +82,10 @@ def record(backend: str, got: dict) -> None:
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
-def test_train_step_holds_the_sync_budget(backend: str, hf_dir, tmp_path: Path) -> None:
+def test_train_step_holds_the_sync_budget(backend: str, gqa_hf_dir, tmp_path: Path) -> None:
     if backend == "megatron":
         pytest.importorskip("megatron.core")
-    args = actor_args(hf_dir, 1, "--lm-head-tail", "fused", backend=backend)
+    args = actor_args(gqa_hf_dir, 1, "--lm-head-tail", "fused", backend=backend)
     got = spawn(_count_job, 1, tmp_path, backend, args)
     record(backend, got)
     assert got["steps"] == 2 and got["rows"] > 0
