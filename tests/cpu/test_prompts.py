@@ -11,8 +11,9 @@ with what is wrong when malformed, renders one user message exactly like the
 plain string and is measured after templating for ``--rollout-max-prompt-len``,
 that dropping every prompt for ``--rollout-max-prompt-len`` is an error that
 says so, that ``PromptSource`` is deterministic, reshuffles every epoch,
-covers each epoch exactly once, and that a source restored from ``state_dict``
-continues exactly like the uninterrupted one.
+covers each epoch exactly once, that a source restored from ``state_dict``
+continues exactly like the uninterrupted one, and that a restore under other
+data, seed, --num-epoch or shuffling is refused.
 """
 
 from __future__ import annotations
@@ -220,6 +221,17 @@ def test_resume_with_other_data_or_seed_is_refused() -> None:
         PromptSource(_prompts(8), seed=9).load_state_dict(state)
     with pytest.raises(ConfigError, match="--seed 9, this run has 1"):
         PromptSource(_prompts(7), seed=1).load_state_dict(state)
+
+
+def test_resume_with_other_epochs_or_shuffling_is_refused() -> None:
+    """A checkpoint's --num-epoch and shuffling are checked on resume, so a run with
+    other settings stops instead of continuing with another length or order."""
+    state = json.loads(json.dumps(PromptSource(_prompts(7), num_epoch=2, seed=9).state_dict()))
+    with pytest.raises(ConfigError, match="--num-epoch 2, this run has 3; resume with the same"):
+        PromptSource(_prompts(7), num_epoch=3, seed=9).load_state_dict(state)
+    with pytest.raises(ConfigError, match="prompt shuffling True, this run has False"):
+        PromptSource(_prompts(7), num_epoch=2, seed=9, shuffle=False).load_state_dict(state)
+    PromptSource(_prompts(7), num_epoch=2, seed=9).load_state_dict(state)  # same settings: fine
 
 
 def test_filter_prompt_lengths() -> None:

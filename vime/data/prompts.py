@@ -421,26 +421,36 @@ class PromptSource:
         return self.num_epoch * len(self.prompts) // n
 
     def state_dict(self) -> dict:
-        """Position to store in a checkpoint (plain ints: JSON-safe)."""
+        """Position and order settings to store in a checkpoint (plain values: JSON-safe)."""
         return {
             "epoch": self.epoch,
             "position": self.position,
             "seed": self.seed,
+            "num_epoch": self.num_epoch,
+            "shuffle": self.shuffle,
             "num_prompts": len(self.prompts),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state``; ConfigError if the data or seed differ from the checkpoint's."""
+        """Continue from ``state``; ConfigError if the data, seed, --num-epoch or shuffling
+        differ from the checkpoint's: the resumed order or length would silently differ."""
         if state["num_prompts"] != len(self.prompts):
             raise ConfigError(
                 f"the checkpoint was taken with {state['num_prompts']} prompts but the data has "
                 f"{len(self.prompts)}; resume with the same --prompt-data"
             )
-        if state["seed"] != self.seed:
-            raise ConfigError(
-                f"the checkpoint was taken with --seed {state['seed']}, this run has "
-                f"{self.seed}; resume with the same seed to continue the same prompt order"
-            )
+        for flag, key in (
+            ("--seed", "seed"),
+            ("--num-epoch", "num_epoch"),
+            ("prompt shuffling", "shuffle"),
+        ):
+            # A checkpoint from before num_epoch and shuffle were stored lacks them.
+            if key in state and state[key] != getattr(self, key):
+                raise ConfigError(
+                    f"the checkpoint was taken with {flag} {state[key]}, this run has "
+                    f"{getattr(self, key)}; resume with the same {flag} to continue the "
+                    "same prompt order"
+                )
         position = int(state["position"])
         if not 0 <= position < len(self.prompts):
             raise ConfigError(f"checkpoint prompt position {position} is out of range")
