@@ -10,7 +10,8 @@ its metrics reported; ``--use-tis`` without the engine's log-probs stops with on
 Dr. GRPO's normalizer is the run's constant, not the step's longest response; with
 GSPO, token-level TIS weights each token's gradient by its own weight. An asynchronous
 run's loss (``--max-staleness`` >= 1) is decoupled PPO's, behaviour-corrected by default.
-A custom loss reaches a process that never loaded its file (a training rank) by its spec.
+A custom loss reaches a process that never loaded its file (a training rank) by its spec,
+and one that is NaN on a sequence without loss tokens leaves the loss and gradient finite.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 from vime.algo import policy_loss
+from vime.algo.aggregation import AGGREGATION_MODES
 from vime.algo.correction import RolloutCorrection
 from vime.algo.objective import LossConfig, Normalizers, micro_batch_loss
 from vime.config import algo_flags, parse_args
@@ -39,6 +41,14 @@ def halved_loss(logp, old_logp, advantages, mask, **kw):
     """A custom policy loss (``--custom-loss-function-path``): half the built-in."""
     loss, stats = policy_loss(logp, old_logp, advantages, mask, **kw)
     return 0.5 * loss, stats
+
+
+def sequence_mean_loss(logp, old_logp, advantages, mask, **kw):
+    """A custom policy loss giving each token its sequence's mean loss: 0/0, NaN, on a
+    sequence with no loss tokens."""
+    loss, stats = policy_loss(logp, old_logp, advantages, mask, **kw)
+    per_seq = (loss * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True)
+    return per_seq.expand_as(loss), stats
 
 
 def _batch(seed: int = 0, b: int = 5, t: int = 6):
@@ -380,3 +390,29 @@ def test_gspo_with_token_level_tis_weights_each_tokens_gradient() -> None:
     per_sequence = (w * data["mask"]).sum(1, keepdim=True) / data["mask"].sum(1, keepdim=True)
     off = g_plain[:n] * per_sequence.expand_as(w).flatten()
     assert not torch.allclose(g_tis[:n], off)  # the mean-weight reading differs here
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_custom_loss_nan_on_an_empty_sequence_is_not_the_loss(mode: str) -> None:
+    """A custom loss that is NaN on a sequence without loss tokens gives the loss and the
+    finite gradient of the same batch without that sequence, as the built-in loss does."""
+    config = dataclasses.replace(
+        _config("--loss-agg-mode", mode), policy_loss_fn=sequence_mean_loss
+    )
+    data = _batch(seed=3)
+    data["mask"][2] = 0
+    norm = Normalizers(num_tokens=int(data["mask"].sum()), num_samples=4)
+    keep = [0, 1, 3, 4]
+    results = []
+    for rows in (range(5), keep):
+        logp = data["logp"][rows].clone().requires_grad_()
+        loss, _ = micro_batch_loss(
+            logp, data["mask"][rows], data["adv"][rows], norm, config, old_logp=data["old"][rows]
+        )
+        loss.backward()
+        results.append((loss.detach(), logp.grad))
+    (loss, grad), (loss_without, grad_without) = results
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, loss_without)
+    torch.testing.assert_close(grad[keep], grad_without)
+    assert torch.equal(grad[2], torch.zeros_like(grad[2]))

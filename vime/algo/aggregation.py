@@ -47,7 +47,8 @@ def aggregate_loss(
     so the loss scale does not move with each batch's longest response. ``num_seqs``
     defaults to the number of sequences with nᵢ > 0 and ``norm_len`` to T. Empty
     sequences contribute nothing; an all-empty batch gives 0 (with a gradient path,
-    so a backward over it is still valid).
+    so a backward over it is still valid). Values where m = 0 are never read, so
+    NaN/inf there changes neither the loss nor the gradient.
     """
     if values.shape != mask.shape or values.dim() != 2:
         raise ValueError(
@@ -56,8 +57,10 @@ def aggregate_loss(
         )
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; choose from {AGGREGATION_MODES}")
+    # where, not values · mask: a custom loss (--custom-loss-function-path) may leave
+    # NaN/inf where the mask is 0 (say 0/0 on an empty sequence), and NaN · 0 is NaN.
+    masked = torch.where(mask.bool(), values, values.new_zeros(()))
     mask = mask.to(values.dtype)
-    masked = values * mask
     tokens_per_seq = mask.sum(dim=1)
     if num_seqs is None:
         num_seqs = float((tokens_per_seq > 0).sum().item())
