@@ -3,7 +3,8 @@
 Proves: values and gradients equal a naive softmax entropy for any chunk size
 (including chunks that do not divide the rows) and any leading shape; it stays
 exact where the naive formula turns NaN (probabilities underflowing at huge
-logit gaps, 1e4 offsets, -inf entries); gradcheck passes in float64; bf16 is
+logit gaps, 1e4 offsets, -inf entries); a row of only -inf has entropy and
+gradient 0; gradcheck passes in float64; bf16 is
 upcast; a large-vocabulary input works; and autograd saves only the logits and
 per-row vectors -- never a [T, V] softmax.
 """
@@ -76,6 +77,19 @@ def test_minus_inf_entries_contribute_nothing():
     got.sum().backward()
     torch.testing.assert_close(got, _naive(torch.tensor([[1.0, 2.0]])))
     assert torch.isfinite(logits.grad).all() and logits.grad[0, 1] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_minus_inf_row_has_zero_entropy_and_gradient(dtype):
+    """A fully masked row (every logit -inf) has entropy 0 and gradient 0, not NaN, and
+    leaves the other rows of its chunk exact."""
+    logits = torch.tensor([[1.0, 2.0, 0.5], [-float("inf")] * 3], dtype=dtype)
+    logits.requires_grad_(True)
+    got = entropy_from_logits(logits)
+    got.sum().backward()
+    assert got[1] == 0 and torch.equal(logits.grad[1], torch.zeros_like(logits.grad[1]))
+    assert torch.isfinite(logits.grad).all()
+    torch.testing.assert_close(got[0], _naive(logits.detach()[:1].float())[0])
 
 
 def test_bfloat16_is_upcast():

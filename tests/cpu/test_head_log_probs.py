@@ -7,7 +7,8 @@ and the gradients w.r.t. hidden states and head weight equal the reference --
 rounding (float64: 1e-12); a tied head (the embedding is the head) gets the sum of
 both gradients; zero upstream gradients (zero advantages, masked positions) give
 exactly zero; entropy not asked for is not computed and not differentiable; empty
-input still backpropagates; gradcheck passes in float64; bf16 inputs compute in
+input still backpropagates; a row of only -inf logits has entropy 0 and no NaN
+gradient; gradcheck passes in float64; bf16 inputs compute in
 float32; and autograd saves no ``[n, V]`` tensor.
 """
 
@@ -144,6 +145,19 @@ def test_empty_rows_still_backpropagate():
     assert logp.shape == entropy.shape == (0,)
     (logp.sum() + entropy.sum()).backward()
     assert weight.grad is not None and not weight.grad.any()
+
+
+def test_all_minus_inf_logits_row_has_zero_entropy_and_gradient():
+    """A row whose logits are all -inf has entropy 0 in the fused tail too, and the
+    entropy's gradient there is 0, not NaN; the other rows are unchanged."""
+    weight = torch.tensor([[1.0], [2.0], [3.0]])
+    hidden = torch.tensor([[0.5], [-float("inf")]], requires_grad=True)
+    _, entropy = head_log_probs(hidden, weight, torch.tensor([0, 1]), with_entropy=True)
+    entropy.sum().backward()
+    assert entropy[1] == 0 and hidden.grad[1] == 0
+    _, want = _reference(hidden.detach()[:1], weight, torch.tensor([0]), 1.0, True)
+    torch.testing.assert_close(entropy[:1], want)
+    assert torch.isfinite(hidden.grad).all()
 
 
 def test_gradcheck_float64():

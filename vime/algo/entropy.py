@@ -27,7 +27,8 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024) -> torch.T
     and its gradient is a couple of ``[chunk_size, V]`` temporaries, never
     ``[N, V]``. Low-precision logits (bf16/fp16) are upcast per chunk and the
     entropy is returned in float32; float64 stays float64. ``-inf`` logits
-    (masked vocabulary entries) contribute zero. First-order differentiable only.
+    (masked vocabulary entries) contribute zero; a row of only ``-inf`` has entropy 0
+    and gradient 0. First-order differentiable only.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -53,10 +54,14 @@ def _entropy_chunk(
     chunk: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(m, log Σⱼ exp(sⱼ), H)`` per row of one ``[c, V]`` chunk (see ``entropy_from_logits``)."""
-    row_max = chunk.amax(dim=-1).to(dtype)
+    # An all -inf row (every entry masked) has max -inf and -inf - -inf is NaN: a finite
+    # max leaves every s at finfo.min, so its weights are 0.
+    row_max = chunk.amax(dim=-1).to(dtype).clamp_(min=torch.finfo(dtype).min)
     shifted = _shifted_chunk(chunk, row_max, dtype)
     weights = shifted.exp()
-    norm = weights.sum(dim=-1)
+    # Any other row's max has weight exp(0) = 1, so this changes only an all -inf row:
+    # log 1 - 0 / 1 makes its entropy 0 (and, in backward, its p and gradient 0).
+    norm = weights.sum(dim=-1).clamp_(min=1.0)
     # Σ exp(s)·s as a batched dot product: no third [chunk, V] buffer.
     weighted = torch.bmm(weights.unsqueeze(1), shifted.unsqueeze(2)).view(-1)
     log_norm = norm.log()

@@ -141,7 +141,10 @@ def _logits_grad(
     grad_entropy: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     """∂ℓ/∂z of one chunk, in place on z's buffer (see the module docstring)."""
-    log_p = z.sub_(lse.unsqueeze(-1))
+    # Clamped as in vime.algo.entropy: a -inf logit's p·log p is 0 and not 0·(-inf),
+    # and an all -inf row (lse -inf) gets p = 0, not NaN, and so no entropy gradient.
+    low = torch.finfo(z.dtype).min
+    log_p = z.sub_(lse.clamp(min=low).unsqueeze(-1)).clamp_(min=low)
     p = log_p.exp()
     if grad_entropy is None:
         grad = p.mul_(-grad_logp.unsqueeze(-1))
