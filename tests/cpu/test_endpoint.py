@@ -7,7 +7,8 @@ and nudges between turns are the template's tail (mask 0), never re-tokenized mo
 text, on vLLM as on hf; tool calls come back in OpenAI's ``tool_calls`` form and the reward is the
 agent's float; a drifting agent (it edits earlier context) is served, counted, and
 trained on its last consistent prefix; an agent that never stops is cut by the budget
-or ``--max-turns`` and stopped; an agent that raises or returns no reward fails the
+or ``--max-turns`` and stopped; a chat turn stopped on the ``</tool_call>`` stop id
+is read as its call; an agent that raises or returns no reward fails the
 rollout; every bad request gets OpenAI's error shape; and the flags are checked while
 parsing.
 """
@@ -23,7 +24,9 @@ import sys
 import httpx
 import pytest
 from endpoint_fixtures import (
+    CALL,
     PROMPTS,
+    TOOLS,
     drifting_agent,
     endless_agent,
     endpoint_tokenizer,
@@ -32,11 +35,11 @@ from endpoint_fixtures import (
 )
 
 from vime.data.prompts import Prompt
-from vime.rollout.agent import CALLS_PER_SAMPLE, AgentRollouts, AgentSample
+from vime.rollout.agent import CALLS_PER_SAMPLE, AgentRollouts, AgentSample, Turn
 from vime.rollout.endpoint.agent import EndpointAgent
 from vime.rollout.endpoint.capture import Conversation
 from vime.rollout.endpoint.server import HEADER, EndpointServer
-from vime.rollout.tools.toolbox import parse_tool_calls
+from vime.rollout.tools.toolbox import ToolCall, parse_tool_calls
 from vime.rollout.types import SamplingParams
 
 SEED = 3
@@ -265,6 +268,37 @@ def test_a_message_the_template_cannot_read_is_a_400(engine, tok, server) -> Non
     reply, conversation = asyncio.run(go())
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_value"
     assert conversation.requests == 0
+
+
+class _Replies:
+    """An engine handle answering every request with the same ``ids``, stop kept last."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    async def generate(self, ids, max_new_tokens=None) -> Turn:
+        return Turn(list(self.ids), [-1.0] * len(self.ids), "stop")
+
+
+def test_a_chat_turn_stopped_on_its_closing_tag_is_read_as_the_call(tok) -> None:
+    """A chat turn that stopped on the ``</tool_call>`` stop id comes back as that call in
+    OpenAI's form, not as an unclosed tag; the ids recorded are the engine's."""
+    close = tok.convert_tokens_to_ids("</tool_call>")
+    model = tok.encode(CALL.replace("\n</tool_call>", "\n"), add_special_tokens=False)
+    sample = AgentSample(Prompt(0, "x", None), [1], 0, 0)
+    conversation = Conversation(
+        sample,
+        _Replies([*model, close]),
+        tok,
+        budget=64,
+        max_turns=2,
+        parse=parse_tool_calls,
+        stops=frozenset({tok.eos_token_id, close}),
+    )
+    body = {"model": "vime", "messages": [{"role": "user", "content": PROMPTS[0]}]}
+    turn, _, calls, content = asyncio.run(conversation.chat({**body, "tools": TOOLS}))
+    assert calls == [ToolCall("add", {"a": 2, "b": 3})] and content is None
+    assert conversation.trajectory().response_ids == [*model, close] == turn.token_ids
 
 
 def test_agent_flags_are_checked_while_parsing(tmp_path) -> None:

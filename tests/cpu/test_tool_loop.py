@@ -5,7 +5,8 @@ tokenizer (the engine's turns are scripted so every path is reached on purpose):
 a call's answer is appended as environment tokens (mask 0, log-prob 0) exactly
 as the format renders it, and the next turn sees it; every failure (malformed
 call, unknown tool, bad arguments, a tool that raises or times out) becomes text
-the model reads and is counted by kind, never a crash; ``--max-turns`` and the
+the model reads and is counted by kind, never a crash; a turn stopped on the
+``</tool_call>`` stop id is read as its call; ``--max-turns`` and the
 response budget cut a trajectory and say so; long answers are truncated to
 ``--tool-max-output-tokens``; ``build_agent`` refuses a chat model without
 ``--apply-chat-template`` and ``--tools`` together with a custom function; and
@@ -255,6 +256,23 @@ def test_a_turn_ended_by_another_stop_token_is_closed_before_the_tool_turn(chat,
     assert chat.decode(engine.contexts[0, 1]) == rendered.replace(call, call + "<|endoftext|>")
     assert c.extra["agent"]["tool_calls"] == 1 and c.extra["agent"]["tool_errors"] == {}
     assert c.extra["agent"]["turns"] == 2 and c.finish_reason == "stop"
+
+
+def test_a_turn_stopped_on_its_closing_tag_is_read_as_the_call(chat, box) -> None:
+    """A call turn that stopped on the ``</tool_call>`` stop id (the engine keeps it last)
+    is parsed as that call, not as an unclosed tag; the model's ids stay the engine's and
+    the end of turn follows as an environment token."""
+    eot = chat.convert_tokens_to_ids("<|im_end|>")
+    close = chat.convert_tokens_to_ids("</tool_call>")
+    loop = ToolLoop(box, chat, ToolLoopSettings(), stop_token_ids=[eot, close])
+    call = _call("add", '{"a": 2, "b": 3}')
+    engine = ScriptedEngine(chat, [[call, "5."]], eot, stops=[close])
+    (c,), _ = _run(loop, engine, ["What is 2 + 3?"], budget=4000)
+    model = chat.encode(call, add_special_tokens=False)
+    assert model[-1] == close and c.response_ids[: len(model)] == model
+    assert c.response_ids[len(model)] == eot and c.loss_mask[len(model)] == 0
+    assert c.extra["agent"]["tool_calls"] == 1 and c.extra["agent"]["tool_errors"] == {}
+    assert "<tool_response>\n5\n</tool_response>" in chat.decode(engine.contexts[0, 1])
 
 
 # ----- build_agent --------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 
 from vime.rollout.agent import AgentSample, EngineHandle, Trajectory, Turn
 from vime.rollout.decoding import decode_turns
-from vime.rollout.tools.toolbox import TOOL_CALL_OPEN, ParseError, ToolCall
+from vime.rollout.tools.toolbox import TOOL_CALL_OPEN, ParseError, ToolCall, call_closing_ids
 from vime.rollout.tools.turns import TemplateDriftError, ToolTurnRenderer
 
 Parse = Callable[[str], list[ToolCall] | ParseError]
@@ -104,6 +104,8 @@ class Conversation:
     ) -> None:
         self.sample, self.engine, self.tokenizer = sample, engine, tokenizer
         self.budget, self.max_turns, self.parse, self.stops = budget, max_turns, parse, stops
+        # A chat turn stopped on </tool_call> is read with the tag: the call is complete.
+        self.chat_stops = stops - call_closing_ids(tokenizer, stops)
         self.traj = Trajectory()
         self.prompt: list[int] | None = None
         self.frozen = False  # drifted: nothing more is recorded
@@ -136,7 +138,7 @@ class Conversation:
         tools = body.get("tools") or []
         ids, context = self._chat_ids(messages, tools)
         turn = await self._generate(ids, context, body)
-        text = decode_turns(self.tokenizer, [turn.token_ids], self.stops)[0]
+        text = decode_turns(self.tokenizer, [turn.token_ids], self.chat_stops)[0]
         calls = self.parse(text) if tools else []
         calls = [] if isinstance(calls, ParseError) else calls
         content: str | None = text

@@ -21,13 +21,14 @@ llama3_json; without one plain. A named chat parser needs a template, which is k
 once the checkpoint's tokenizer is loaded: the run checks it then
 (:func:`check_tool_format`), before it renders a prompt or starts Ray.
 
-A turn ends on its stop token. A tool turn is written to follow the format's end of
-turn (the template's end-of-turn token, ``<|im_end|>`` / ``<|eot_id|>``; EOS for
-``plain``). A call turn that stopped on another of the run's stop tokens
-(``--rollout-stop-token-ids``, e.g. ``<|endoftext|>``) is closed first: the end of turn
-is appended as an environment token (mask 0, never trained), so the context the
-model sees next is the template's, token for token, and the model's own tokens stay
-as it generated them.
+A turn ends on its stop token. One that stopped on ``</tool_call>`` (a stop id whose
+text is the closing tag) is parsed with the tag, as the call it completes. A tool
+turn is written to follow the format's end of turn (the template's end-of-turn token,
+``<|im_end|>`` / ``<|eot_id|>``; EOS for ``plain``). A call turn that stopped on
+another of the run's stop tokens (``--rollout-stop-token-ids``, e.g. ``<|endoftext|>``
+or ``</tool_call>``) is closed first: the end of turn is appended as an environment
+token (mask 0, never trained), so the context the model sees next is the template's,
+token for token, and the model's own tokens stay as it generated them.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from vime.rollout.tools.toolbox import (
     Toolbox,
     ToolCall,
     ToolResult,
+    call_closing_ids,
     parse_plain,
     parse_tool_calls,
 )
@@ -209,12 +211,14 @@ class ToolLoop:
     ) -> None:
         self.toolbox, self.tokenizer, self.settings = toolbox, tokenizer, settings
         self.stop_token_ids = frozenset(stop_token_ids)
+        # A turn stopped on </tool_call> is read with the tag: the call is complete.
+        self._text_stops = self.stop_token_ids - call_closing_ids(tokenizer, stop_token_ids)
         self.format = fmt or tool_format(
             tokenizer, toolbox, settings.tools.max_output_tokens, settings.parser
         )
 
     def _text(self, ids: Sequence[int]) -> str:
-        return decode_turns(self.tokenizer, [ids], self.stop_token_ids)[0]
+        return decode_turns(self.tokenizer, [ids], self._text_stops)[0]
 
     async def __call__(self, sample: AgentSample, engine: EngineHandle) -> Trajectory:
         traj = Trajectory()

@@ -25,7 +25,7 @@ import inspect
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -251,6 +251,16 @@ def _one_line(text: str) -> str:
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 THINK_CLOSE = "</think>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x may open a call with it
+
+
+def call_closing_ids(tokenizer: Any, stops: Iterable[int]) -> frozenset[int]:
+    """The ids among ``stops`` whose text is a call's closing tag, ``</tool_call>`` (one
+    token in Qwen's vocabulary). A turn that stopped on one ends with a complete call,
+    so the text its parser reads keeps the tag: decode it with these ids left out of
+    the stops (``vime.rollout.decoding.decode_turns``). The ids stay the engine's."""
+    return frozenset(
+        i for i in stops if tokenizer.decode([i], skip_special_tokens=False) == TOOL_CALL_CLOSE
+    )
 
 
 def parse_tool_calls(text: str, toolbox: Toolbox | None = None) -> list[ToolCall] | ParseError:
