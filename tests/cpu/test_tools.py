@@ -6,7 +6,8 @@ one-line ConfigError saying what to fix; that ``Toolbox.run`` turns every
 failure (unknown tool, bad arguments, raised, timed out, malformed call) into
 an error result of the right kind, never an exception, and runs calls
 concurrently (sync ones up to the thread pool's size); that the Qwen/Hermes
-parser tells "no call", "calls" and "malformed" apart, and each ``--tool-parser``
+parser tells "no call", "calls" and "malformed" apart, the llama3_json one reads
+every call of a turn (``;`` or one a line), and each ``--tool-parser``
 (looked up by name) reads its own form and takes the others' for answers; and, with
 a Qwen3-style
 template on a byte-level BPE tokenizer built here, that the schemas reach the
@@ -36,6 +37,7 @@ from vime.rollout.tools.toolbox import (
     ToolCall,
     ToolResult,
     load_tools,
+    parse_llama3_json,
     parse_tool_calls,
 )
 from vime.rollout.tools.turns import (
@@ -304,6 +306,22 @@ def test_parse_llama3_json_calls() -> None:
     assert parse_tool_calls("{not json}") == []
     bad = parse_tool_calls('{"name": "add", "parameters": 3}')
     assert isinstance(bad, ParseError) and "must be a JSON object" in bad.message
+
+
+def test_parse_llama3_json_reads_every_call_of_a_turn() -> None:
+    """Several Llama 3.x JSON calls in one turn, separated by ``;`` or one a line, are
+    each a call, in order; one malformed call is a ParseError naming it; a turn with
+    other text between the objects, or an object naming no call, is an answer."""
+    add = '{"name": "add", "parameters": {"a": 2, "b": 3}}'
+    pi = '{"name": "lookup", "parameters": {"key": "pi"}}'
+    calls = [ToolCall("add", {"a": 2, "b": 3}), ToolCall("lookup", {"key": "pi"})]
+    for text in (f"{add}; {pi}", f"{add};{pi}", f"<|python_tag|>{add}\n{pi}", f"{add} ;\n{pi}"):
+        assert parse_llama3_json(text) == calls, text
+    bad = parse_llama3_json(f'{add}; {{"name": "lookup", "parameters": 3}}')
+    assert isinstance(bad, ParseError) and bad.message.startswith("tool call 2 (lookup)")
+    assert parse_llama3_json(f"{add} then {pi}") == []
+    assert parse_llama3_json(f"{add};; {pi}") == []
+    assert parse_llama3_json(f'{add}; {{"name": "Ada", "age": 36}}') == []
 
 
 # One call in each parser's form, and malformed ones; what each parser makes of them.

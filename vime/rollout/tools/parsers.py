@@ -48,7 +48,8 @@ _SPECS = (
     ),
     ToolParserSpec(
         name="llama3_json",
-        summary="a turn that is one JSON call, optionally after <|python_tag|> (Llama 3.x)",
+        summary="a turn of JSON calls, separated by ';' or one a line, optionally after "
+        "<|python_tag|> (Llama 3.x)",
         parse="vime.rollout.tools.toolbox:parse_llama3_json",
         chat=True,
     ),

@@ -309,11 +309,12 @@ def parse_hermes(text: str, toolbox: Toolbox | None = None) -> list[ToolCall] | 
 
 
 def parse_llama3_json(text: str, toolbox: Toolbox | None = None) -> list[ToolCall] | ParseError:
-    """``--tool-parser llama3_json``: Llama 3.x's JSON tool calling, a turn that is one
-    JSON object ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), optionally
-    after ``<|python_tag|>``: one call. Any other turn is an answer, ``<tool_call>``
-    blocks and JSON that names no call included; a call with a malformed argument
-    object is a :class:`ParseError`. Text up to the last ``</think>`` is not searched.
+    """``--tool-parser llama3_json``: Llama 3.x's JSON tool calling, a turn that is JSON
+    objects ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), optionally after
+    ``<|python_tag|>``, separated by ``;`` or one a line: one call each, in order. Any
+    other turn is an answer, ``<tool_call>`` blocks and JSON that names no call
+    included; a call with a malformed argument object is a :class:`ParseError`. Text
+    up to the last ``</think>`` is not searched.
     """
     return _bare_json_call(_after_thinking(text))
 
@@ -334,21 +335,38 @@ def _after_thinking(text: str) -> str:
 
 
 def _bare_json_call(text: str) -> list[ToolCall] | ParseError:
-    """Llama 3.x's form: the whole turn one JSON object with a name and its parameters;
-    any other text (JSON that names no call included) is an answer."""
+    """Llama 3.x's form: the whole turn JSON objects, each with a name and its parameters,
+    separated by ``;`` or whitespace (one a line); any other text (JSON that names no
+    call included) is an answer."""
     body = text.strip().removeprefix(PYTHON_TAG).strip()
     if not (body.startswith("{") and body.endswith("}")):
         return []
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return []
-    if not (
+    objects = _json_objects(body)
+    if not objects or not all(
         isinstance(obj, dict) and "name" in obj and ("parameters" in obj or "arguments" in obj)
+        for obj, _ in objects
     ):
         return []
-    call = _parse_call(body, 1)
-    return call if isinstance(call, ParseError) else [call]
+    calls = [_parse_call(raw, n) for n, (_, raw) in enumerate(objects, 1)]
+    error = next((c for c in calls if isinstance(c, ParseError)), None)
+    return error if error is not None else [c for c in calls if isinstance(c, ToolCall)]
+
+
+def _json_objects(body: str) -> list[tuple[Any, str]] | None:
+    """Each JSON value of ``body`` with its text, in order, where values are separated
+    by whitespace and at most one ``;``; None when ``body`` is not such a sequence."""
+    decoder, objects, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return None
+        objects.append((obj, body[pos:end]))
+        rest = body[end:].lstrip()
+        if rest.startswith(";"):
+            rest = rest[1:].lstrip()
+        pos = len(body) - len(rest)
+    return objects
 
 
 def _parse_call(body: str, n: int) -> ToolCall | ParseError:
