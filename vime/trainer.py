@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -104,6 +106,7 @@ class Run:
             self.sync_weights(self.start_rollout)
             self.startup.mark("sync")
         self._started()
+        self.warm_up()
         if self.producer is not None:
             self.producer.start()
         for rollout_id in range(self.start_rollout, loop.num_rollout):
@@ -156,6 +159,31 @@ class Run:
         # Time per phase, idle fractions, tokens/s, MFU (vime.step_timing).
         metrics.update(timing.step_metrics([len(t) for t in batch.tokens]))
         return metrics
+
+    def warm_up(self) -> None:
+        """``--sft-warmup-steps``: train the demonstrations' batches (``vime.setup.warm_start``),
+        one optimizer step each, then give the engines the weights (still version 0: no
+        rollout has been trained); the first metrics line gets ``warmup/*``."""
+        batches = self.parts.warm_start
+        if not batches:
+            return
+        began = time.monotonic()
+        self.turns.train()
+        for step, batch in enumerate(batches):
+            updates = replace(self.settings.updates, global_batch_size=len(batch))
+            planned = plan_updates(updates, batch, -1 - step)
+            metrics = self.train_group.train(ray.put(planned))
+        self.turns.weight_sync()
+        self.sync_weights(0)
+        seconds = time.monotonic() - began
+        self.tracker.log_once(
+            {
+                "warmup/steps": float(len(batches)),
+                "warmup/seconds": seconds,
+                "warmup/grad_norm": metrics.get("train/grad_norm", float("nan")),
+            }
+        )
+        self.log(f"vime: warm start: {len(batches)} supervised steps in {seconds:.1f} s")
 
     def save(self, rollout_id: int) -> None:
         """Checkpoint the trainer after ``rollout_id``, with the data position beside it

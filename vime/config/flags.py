@@ -182,6 +182,13 @@ def _optimizer(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--clip-grad", type=float, default=1.0, help="global grad-norm clip; 0 disables clipping"
     )
+    p.add_argument(
+        "--sft-warmup-steps",
+        type=non_negative_int,
+        default=0,
+        help="supervised steps before the first rollout, each on --rollout-batch-size of the "
+        "built-in task's demonstrations (a cold start; vime.setup.warm_start)",
+    )
 
 
 def _checkpoint(p: argparse._ArgumentGroup) -> None:

@@ -31,6 +31,7 @@ from vime.setup.settings import (
     ScorerSettings,
     TimingSettings,
     TrackerSettings,
+    WarmStartSettings,
 )
 from vime.weights.lora import engine_lora
 
@@ -53,6 +54,7 @@ class RunSettings:
     timing: TimingSettings
     tracker: TrackerSettings
     loop: LoopSettings
+    warm_start: WarmStartSettings
 
 
 def build_settings(args: argparse.Namespace) -> RunSettings:
@@ -69,6 +71,7 @@ def build_settings(args: argparse.Namespace) -> RunSettings:
         timing=timing_settings(args),
         tracker=tracker_settings(args),
         loop=loop_settings(args),
+        warm_start=WarmStartSettings(args.sft_warmup_steps, args.rollout_batch_size, args.seed),
     )
 
 

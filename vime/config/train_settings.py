@@ -54,14 +54,16 @@ def train_settings(args: argparse.Namespace) -> TrainSettings:
 
 def lr_schedule(args: argparse.Namespace) -> LRSchedule:
     """The LR schedule over the run's samples: ``--num-rollout`` rollouts (1 when not
-    fixed) of ``--rollout-batch-size`` x ``--n-samples-per-prompt``."""
+    fixed) of ``--rollout-batch-size`` x ``--n-samples-per-prompt``, after the warm start's
+    ``--sft-warmup-steps`` x ``--rollout-batch-size`` demonstrations."""
     samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
+    warm_start = args.sft_warmup_steps * args.rollout_batch_size
     return LRSchedule(
         lr=args.lr,
         min_lr=args.min_lr,
         decay_style=args.lr_decay_style,
         warmup_samples=args.lr_warmup_samples,
-        total_samples=(args.num_rollout or 1) * samples_per_rollout,
+        total_samples=(args.num_rollout or 1) * samples_per_rollout + warm_start,
     )
 
 

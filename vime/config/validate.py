@@ -50,6 +50,7 @@ def validate(args: argparse.Namespace, *, for_run: bool = False) -> None:
     _check_sampling(args)
     _check_dynamic_sampling(args)
     check_algorithm(args)
+    _check_warm_start(args)
     check_agent(args)
     _check_rewards(args)
     _check_optimizer(args)
@@ -397,6 +398,25 @@ def _check_optimizer(args: argparse.Namespace) -> None:
         raise ConfigError(f"--adam-eps must be > 0, got {args.adam_eps}")
     if args.clip_grad < 0:
         raise ConfigError(f"--clip-grad must be >= 0 (0 disables it), got {args.clip_grad}")
+
+
+def _check_warm_start(args: argparse.Namespace) -> None:
+    """``--sft-warmup-steps`` trains demonstrations, which only the built-in tasks give,
+    and they carry no engine log-probs for a rollout correction to weigh."""
+    if not args.sft_warmup_steps:
+        return
+    from vime.data.prompts import builtin_task_of  # deferred: --help does without it
+
+    if not (args.prompt_data and builtin_task_of(args.prompt_data)):
+        raise ConfigError(
+            "--sft-warmup-steps trains the demonstrations of a built-in task "
+            "(--prompt-data builtin:NAME); drop it for other prompt data"
+        )
+    if args.use_tis:
+        raise ConfigError(
+            "--sft-warmup-steps: demonstrations have no engine log-probs for --use-tis "
+            "(on by default with --max-staleness); add --no-use-tis or drop the warm start"
+        )
 
 
 def _check_checkpointing(args: argparse.Namespace) -> None:

@@ -51,6 +51,17 @@ Example = tuple[str, str]  # (prompt, label)
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A piece of a demonstration (``Task.demonstration``): its text, whether the model
+    writes it (trained) or the environment does (a tool's answer), and whether the
+    model's turn ends after it (the tokenizer's EOS follows, trained)."""
+
+    text: str
+    trained: bool = True
+    ends_turn: bool = False
+
+
+@dataclass(frozen=True)
 class Task:
     """A built-in task: a fixed universe of (prompt, label) pairs and its reward.
 
@@ -82,6 +93,10 @@ class Task:
     def is_correct(self, response: str, label: str) -> bool:
         """Exact skill check: the response, stripped of surrounding whitespace, is the label."""
         return response.strip() == label
+
+    def demonstration(self, prompt: str, label: str) -> tuple[Segment, ...]:
+        """A right response to ``prompt``, for ``--sft-warmup-steps``: the label, then EOS."""
+        return (Segment(label, ends_turn=True),)
 
     def reward(self, response: str, label: str) -> float:
         """Dense reward in [0, 1]; 1.0 exactly when ``is_correct``."""
@@ -223,6 +238,17 @@ def _build_lookup() -> tuple[tuple[Example, ...], tuple[Example, ...]]:
     return _split_universe(universe, "lookup")
 
 
+def _demonstrate_lookup(prompt: str, label: str) -> tuple[Segment, ...]:
+    """``get abcd=`` -> the call ``get abcd``, the tool's answer ``cadbbada=`` (as the plain
+    tool format appends it), the answer ``cadbbada``."""
+    key, value = label.split()
+    return (
+        Segment(f"get {key}", ends_turn=True),
+        Segment(f"{get(key)}=", trained=False),
+        Segment(value, ends_turn=True),
+    )
+
+
 def _positions(answer: str, target: str) -> float:
     """Share of ``target``'s positions ``answer`` matches, over the longer of the two."""
     if not answer or not target:
@@ -240,7 +266,14 @@ class ToolTask(Task):
 
     tools: str = ""
     embedded_defaults: tuple[tuple[str, Any], ...] = ()
+    demonstrate: Callable[[str, str], tuple[Segment, ...]] | None = None
     reads_trajectory: ClassVar[bool] = True
+
+    def demonstration(self, prompt: str, label: str) -> tuple[Segment, ...]:
+        """A right trajectory (the call, the tool's answer, the final answer)."""
+        if self.demonstrate is None:
+            raise ConfigError(f"task '{self.name}' has no demonstrations")
+        return self.demonstrate(prompt, label)
 
     def is_correct(self, response: str, label: str) -> bool:
         """The final answer is the looked-up value."""
@@ -297,10 +330,15 @@ TASKS: dict[str, Task] = {
             right_align=False,
             build=_build_lookup,
             tools="vime.data.tasks:LOOKUP_TOOLS",
+            demonstrate=_demonstrate_lookup,
             embedded_defaults=(
                 # The call (9 tokens), the tool's answer (9) and the final answer (9).
                 ("rollout_max_response_len", 32),
                 ("num_rollout", 500),
+                # Sequence-level credit alone did not find the copy within 500 rollouts
+                # on most seeds (bench/README.md); 30 supervised steps, short of the
+                # copy's own onset (~45), leave greedy accuracy at 0 for RL to raise.
+                ("sft_warmup_steps", 30),
             ),
         ),
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vime import perf
+from vime.data.batch import RolloutBatch
 from vime.data.prompts import PromptSource
 from vime.ray.engines import EngineGroup
 from vime.ray.placement import Layout, Placement
@@ -130,3 +131,6 @@ class RunParts:
     timing: StepTiming
     tracker: Tracker
     closer: Closer
+    # The supervised warm start's batches (``vime.setup.warm_start``), trained before the
+    # first rollout of a run that does not resume.
+    warm_start: tuple[RolloutBatch, ...] = ()

@@ -31,6 +31,7 @@ from vime.setup.actors import build_actors, build_cluster
 from vime.setup.data import build_model, build_prompts, build_scorer
 from vime.setup.parts import Actors, Closer, Console, Model, Prompts, RunParts
 from vime.setup.settings import TimingSettings, TrackerSettings
+from vime.setup.warm_start import build_warm_start
 from vime.step_timing import StepTiming
 from vime.tracking import Tracker, default_output_dir
 
@@ -73,6 +74,13 @@ def build_run(args: Config, startup: perf.StartupClock | None = None) -> RunPart
         startup.mark("peak")
         tracker = build_tracker(settings.tracker, actors.start_rollout, closer)
         console.tracker = tracker
+        warm_start = build_warm_start(
+            settings.warm_start if actors.start_rollout == 0 else None,
+            model.task,
+            model.tokenizer,
+            prompts.source.prompts,
+            prompts.ids,
+        )
     except BaseException:
         closer.close("failed")
         raise
@@ -87,6 +95,7 @@ def build_run(args: Config, startup: perf.StartupClock | None = None) -> RunPart
         timing,
         tracker,
         closer,
+        warm_start=tuple(warm_start),
     )
 
 

@@ -148,6 +148,16 @@ class UpdateSettings:
 
 
 @dataclass(frozen=True)
+class WarmStartSettings:
+    """``--sft-warmup-steps``: ``steps`` optimizer steps of ``batch_size`` demonstrations
+    each (``vime.setup.warm_start``), drawn by ``seed``."""
+
+    steps: int
+    batch_size: int
+    seed: int
+
+
+@dataclass(frozen=True)
 class LoopSettings:
     """What the loop (``vime.trainer.Run``) reads of the run's flags."""
 
