@@ -152,6 +152,7 @@ class Run:
                 self.producer.weights_synced(rollout_id + 1)
         with timing.phase("probe"):
             metrics.update(self._probe_diff())
+        metrics.update(self.engines.faults.metrics())  # the run's restarts so far
         eval_due = loop.eval_interval and (rollout_id + 1) % loop.eval_interval == 0
         if self.eval_prompts is not None and eval_due:
             with timing.phase("eval"):
@@ -194,12 +195,22 @@ class Run:
         self.last_saved = rollout_id
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the trainer's weights to every engine and check they serve ``version``."""
+        """Push the trainer's weights to every engine and check they serve ``version``.
+
+        Engines lost since the last look (the asynchronous producer's, while training
+        trained) are restarted first and take these weights with the others; one that
+        dies in the sync is found, restarted and synced again (``--max-engine-restarts``).
+        """
+        self.engines.recover(restore=False)
         try:
             versions = self.transport.sync(version)
         except ActorFailure:
-            self.engines.raise_if_one_died("syncing weights")  # the cause, if an engine died
-            raise
+            # The cause, if an engine died: raised with restarts off, else restarted.
+            if not self.engines.note_dead("syncing weights"):
+                raise
+            self.engines.recover(restore=False)
+            versions = self.transport.sync(version)
+        self.engines.weights_loaded()
         if any(v != version for v in versions):
             raise RuntimeError(f"engines serve weight versions {versions}, expected {version}")
         return {"weights/version": float(version)}
@@ -237,6 +248,7 @@ class Run:
             ids = ",".join(str(i) for i in self.timing.traced)
             self.log(f"vime: trace of rollout(s) {ids} in {summary['trace']} (ui.perfetto.dev)")
         summary.update({key.split("/")[-1]: int(n) for key, n in self.dropped.items()})
+        summary.update({k.split("/")[-1]: int(n) for k, n in self.engines.faults.metrics().items()})
         if self.eval_prompts is not None:
             self.turns.rollout()
             summary["final_eval"] = self.manager.evaluate(self.eval_prompts, self.eval_ids)

@@ -1,4 +1,9 @@
-"""A loss hook that kills the training rank once, for the ``--auto-resume`` tests.
+"""Fault injection for the tests: a training rank that dies, an engine that dies or hangs.
+
+``signal_engine_on_generation`` (``test_engine_watch.py``) sends a signal to a rollout
+engine's process as the driver hands it a generation.
+
+The loss hook below kills the training rank once, for the ``--auto-resume`` tests.
 
 Passed as ``--custom-loss-function-path tests/cpu/fault_hooks.py:policy_loss``, it is
 vime's own policy loss, except that with ``VIME_TEST_KILL_RANK=<output dir>:<rollout>``
@@ -53,3 +58,25 @@ def policy_loss(
     if _kill_due():
         os._exit(1)
     return vime_policy_loss(logp, old_logp, advantages, mask, **kwargs)
+
+
+def signal_engine_on_generation(group: Any, call: int, signum: int, engine: int = 0) -> list[int]:
+    """Send ``signum`` to engine ``engine``'s process right after the driver hands it its
+    ``call``-th generation (0 first), once: the engine dies (SIGKILL) or hangs (SIGSTOP)
+    holding that work, as a generation takes far longer than the signal to land. A test
+    hook on a real ``EngineGroup`` (its generations pass ``_track``), never a flag.
+    Returns the pids signalled (one, once it has fired), for the test to check."""
+    track, seen, signalled = group._track, [0], []
+
+    def tracked(target: int, ref: Any) -> Any:
+        ref = track(target, ref)
+        if target == engine:
+            if seen[0] == call:
+                pid = group._pids[engine]
+                os.kill(pid, signum)
+                signalled.append(pid)
+            seen[0] += 1
+        return ref
+
+    group._track = tracked
+    return signalled

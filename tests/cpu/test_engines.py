@@ -33,14 +33,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from tiny_models import save_tiny, tiny_qwen3_config
 
 from vime.config.parser import parse_args
 from vime.errors import ConfigError
-from vime.ray import engines
 from vime.ray.cluster import init_local_ray
 from vime.ray.engines import (
     COLOCATED_GPU_SHARE,
@@ -292,24 +290,25 @@ def test_cpu_engines_take_no_gpu() -> None:
 
 
 def _in_process_group(engine_list: list) -> EngineGroup:
-    """An ``EngineGroup`` whose actors are engines in this process: ``generate.remote``
-    answers at once, and the answer stands in for its Ray ref (``wait_all`` is patched)."""
+    """An ``EngineGroup`` whose actors are engines in this process: each engine's chunk
+    is generated at once (``_gather`` is replaced; its restarts are tested in
+    test_engine_watch.py)."""
     group = object.__new__(EngineGroup)
     group.kind = "hf"
-    group.actors = [
-        SimpleNamespace(generate=SimpleNamespace(remote=e.generate)) for e in engine_list
-    ]
+    group.actors = list(engine_list)
+
+    def gather(method: str, calls: dict, what: str) -> dict:
+        return {e: getattr(group.actors[e], method)(*args) for e, args in calls.items()}
+
+    group._gather = gather
     return group
 
 
-def test_completions_do_not_depend_on_the_number_of_engines(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_completions_do_not_depend_on_the_number_of_engines(tmp_path: Path) -> None:
     """The same seed gives token-identical completions from 1, 2 or 3 engines: each chunk
     is seeded by its whole-batch prompt indices, not by its position within the chunk."""
     from vime.rollout.engines.hf import HFEngine
 
-    monkeypatch.setattr(engines, "wait_all", lambda refs, what: list(refs))
     checkpoint = save_tiny(str(tmp_path / "model"), tiny_qwen3_config(vocab_size=48), seed=3)
     pool = [HFEngine(checkpoint) for _ in range(3)]
     prompts = [[5, 9, 14], [17], [4, 4, 8, 2], [40, 2, 33]]
@@ -355,10 +354,15 @@ def test_an_engine_generates_on_the_threads_it_was_built_with(tmp_path: Path, ki
 
 
 def test_a_dead_engine_is_named_as_the_cause() -> None:
-    """After a failed transfer, ``raise_if_one_died`` names the engine whose process is
-    gone (real Ray actors standing in for the engines), and says nothing while all live."""
+    """After a failed transfer, ``note_dead`` names the engine whose process is gone (real
+    Ray actors standing in for the engines) and says nothing while all live: with
+    restarts off it raises naming it; with restarts it notes it for ``recover``."""
+    import threading
+
     ray = pytest.importorskip("ray")
+    from vime.ray.engine_watch import EngineFaults, HealthWatch
     from vime.ray.errors import ActorFailure, label_actor
+    from vime.rollout.settings import FaultSettings
 
     init_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -373,10 +377,16 @@ def test_a_dead_engine_is_named_as_the_cause() -> None:
 
         group = EngineGroup.__new__(EngineGroup)
         group.actors = [label_actor(Engine.remote(), f"rollout engine {e}") for e in range(2)]
-        group.raise_if_one_died("syncing weights")  # both alive: no error
+        group.faults = EngineFaults(FaultSettings(max_restarts=0))
+        group.watch, group._lock, group._pids = HealthWatch(1.0, list), threading.RLock(), [0, 0]
+        group._unready = set()
+        assert not group.note_dead("syncing weights")  # both alive: no error
         group.actors[1].die.remote()
         with pytest.raises(ActorFailure, match=r"^syncing weights failed: rollout engine 1 \(pid"):
-            group.raise_if_one_died("syncing weights")
+            group.note_dead("syncing weights")
+        group.faults = EngineFaults(FaultSettings(max_restarts=1))
+        assert group.note_dead("syncing weights") and list(group.faults.lost) == [1]
+        assert not group.ready(1) and group.ready(0)
     finally:
         ray.shutdown()
 

@@ -195,7 +195,13 @@ def test_trajectories_without_a_model_turn_train_asynchronously(world) -> None:
 
 
 def test_a_dead_engine_stops_the_next_take(world) -> None:
+    """With restarts off (``--max-engine-restarts 0``) an engine killed between two takes
+    stops the next one, naming it."""
+    from vime.ray.engine_watch import EngineFaults
+    from vime.rollout.settings import FaultSettings
+
     checkpoint, engines = world
+    engines.faults = EngineFaults(FaultSettings(max_restarts=0))
     producer = make_producer(checkpoint, engines)
     producer.start()
     try:

@@ -669,7 +669,7 @@ def test_engine_actor_openmp_sleeps_when_idle(
         group = EngineGroup(
             "vllm", str(setup.root / "model"), reserve(layout), EngineOptions(seed=0)
         )
-        pid = ray.get(group.actors[0].ready.remote())
+        pid, _ = ray.get(group.actors[0].ready.remote())
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = dict(
                 item.decode().split("=", 1) for item in f.read().split(b"\0") if b"=" in item

@@ -20,6 +20,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def given_flags(args: Any, *dests: str) -> list[str]:
     """The flags (``--dest-name``) among ``dests`` that hold a value on ``args``, in
     order: what a check names when flags that exclude each other were given together."""

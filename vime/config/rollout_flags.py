@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-from vime.config.flag_types import non_negative_int, positive_int
+from vime.config.flag_types import non_negative_int, positive_float, positive_int
 from vime.ray import transport_names
 from vime.rollout.engines import registry as engine_registry
-from vime.rollout.settings import EndpointSettings, ToolLoopSettings, ToolSettings
+from vime.rollout.settings import EndpointSettings, FaultSettings, ToolLoopSettings, ToolSettings
 from vime.rollout.tools import parsers as tool_parsers
 
 # The engines' names and their own flags come from vime.rollout.engines.registry, the weight
@@ -60,6 +60,30 @@ def _rollout_shape(p: argparse._ArgumentGroup) -> None:
         type=positive_int,
         default=8,
         help="completions per prompt (the GRPO group size)",
+    )
+
+
+def _engine_faults(p: argparse._ArgumentGroup) -> None:
+    """What a dead or hung rollout engine costs: a restart, or the run."""
+    faults = FaultSettings()
+    p.add_argument(
+        "--max-engine-restarts",
+        type=non_negative_int,
+        default=faults.max_restarts,
+        metavar="N",
+        help="a rollout engine that dies or hangs is replaced on its bundle, given the "
+        "current weights, and its requests are sent again, up to N times in the run "
+        "(beyond: the run stops naming the engine and its last error; 0: the first one "
+        f"stops the run; default {faults.max_restarts})",
+    )
+    p.add_argument(
+        "--engine-timeout",
+        type=positive_float,
+        default=faults.timeout_s,
+        metavar="SECONDS",
+        help="an engine that answers no health call within this, or makes no decode step "
+        "or weight load that long while generating, counts as hung: it is killed and "
+        f"restarted as a dead one (default {faults.timeout_s:g})",
     )
 
 
@@ -175,6 +199,7 @@ def _weight_sync(p: argparse._ArgumentGroup) -> None:
 def add_rollout_flags(p: argparse._ArgumentGroup) -> None:
     """The rollout group: generation, reward, weight sync."""
     _rollout_shape(p)
+    _engine_faults(p)
     _sampling(p)
     _rewards(p)
     _rollout_ends(p)

@@ -22,7 +22,7 @@ from vime.config.setup_settings import loop_settings, timing_settings, tracker_s
 from vime.config.train_settings import lora_settings, train_settings
 from vime.config.validate import joins_cluster
 from vime.ray.transports import SyncSettings
-from vime.rollout.settings import AgentSettings, RolloutSettings
+from vime.rollout.settings import AgentSettings, FaultSettings, RolloutSettings
 from vime.setup.settings import (
     ActorSettings,
     ClusterSettings,
@@ -122,6 +122,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         max_model_len=args.rollout_max_prompt_len + args.rollout_max_response_len,
         gpu_memory_utilization=args.rollout_gpu_memory_utilization,
         lora=lora,
+        faults=FaultSettings(args.max_engine_restarts, args.engine_timeout),
     )
 
 

@@ -4,9 +4,14 @@ Where it fits: ``vime.setup.actors`` builds one ``EngineGroup`` on the placement
 rollout bundles, from the run's ``EngineOptions``; ``vime.rollout.manager`` asks it
 for completions; the run's weight transport (``vime.ray.transports``) pushes new
 weights into it, its engine side running in each actor (``receive_weights``). Each
-actor resolves ``--rollout-engine`` and builds its engine through
+actor (``vime.ray.engine_actor``) resolves ``--rollout-engine`` and builds its engine through
 ``vime.rollout.engines.registry`` (any engine meeting ``vime.rollout.types.RolloutEngine``)
 and never sees the training processes.
+
+Faults (``vime.ray.engine_watch``): an engine that dies, or that its health calls find
+hung, is replaced by a new actor on its bundle, given the current weights by the
+run's transport (``restore``), and the calls it held are sent again, up to
+``--max-engine-restarts`` times in a run.
 
 Timing (``vime.profiling``): each actor records a span around every call that works
 (generate, with the tokens it made; score; each weight load, with the bytes it
@@ -16,24 +21,24 @@ an engine's busy time is measured in its own process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from vime import device as vime_device
 from vime import profiling
 from vime.errors import ConfigError
-from vime.ray.errors import label_actor, wait_all
-from vime.ray.placement import Layout, Placement, pin_process, process_cores
-from vime.ray.transports import transport_class
+from vime.ray.engine_actor import GENERATE_GROUP, HEALTH_GROUP, EngineActor
+from vime.ray.engine_watch import EngineFaults, HealthWatch, engine_died
+from vime.ray.errors import ActorFailure, label_actor, wait_all
+from vime.ray.placement import Layout, Placement
 from vime.rollout.engines import registry
+from vime.rollout.settings import FaultSettings
 from vime.rollout.types import Completion, SamplingParams
-from vime.weights.lora import AdapterLoader, engine_receiver
-from vime.weights.update_stream import UpdateStream
 
 # Set in every engine actor's process before it starts. OpenMP (the libgomp that torch
 # and vLLM's CPU kernels run on) reads its wait policy once, when the library loads, so
@@ -49,9 +54,6 @@ from vime.weights.update_stream import UpdateStream
 # against 0.12 s with PASSIVE, on two cores that other jobs also used.
 ENGINE_ENV_VARS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
-
-# The engine actor's concurrency group of ``EngineGroup.submit``'s generations.
-GENERATE_GROUP = "generate"
 
 # The share of a GPU an engine process takes beside a training rank under --colocate.
 COLOCATED_GPU_SHARE = 0.2
@@ -100,160 +102,15 @@ def engine_actor_spec(
     )
 
 
-class EngineActor:
-    """One rollout engine in its own process (wrapped by ``ray.remote`` below)."""
-
-    def __init__(self, kind: str, checkpoint: str, options: registry.EngineOptions) -> None:
-        kind, self.reason = registry.resolve_engine(kind, options.tiny_model)
-        self.kind = kind
-        # LoRA's adapter-only syncs: served by the engine's own LoRA, or merged here.
-        self._lora = None
-        if options.lora is not None:
-            native_lora = registry.get_engine(kind).native_lora
-            self._lora = engine_receiver(options.lora, native_lora, vime_device.cuda_available())
-            if isinstance(self._lora, AdapterLoader):
-                options = dataclasses.replace(options, max_lora_rank=options.lora.settings.rank)
-        threads = options.num_threads
-        if options.cpu_cores:  # cores of its own (async rollout on the CPU): threads follow
-            pin_process(options.cpu_cores)
-            threads = len(options.cpu_cores)
-        import torch
-
-        if threads:
-            torch.set_num_threads(threads)
-        self._threads = torch.get_num_threads()
-        self.engine = registry.build_engine(kind, checkpoint, options)
-        self.engine.weight_version = 0
-        self.weight_link: Any = None  # what the run's transport keeps here (open_weight_link)
-        self._stream: UpdateStream | None = None
-        profiling.enable()
-
-    def ready(self) -> int:
-        return os.getpid()
-
-    def choice(self) -> tuple[str, str]:
-        """``(engine, reason)``, as ``resolve_engine`` gave them in this process."""
-        return self.kind, self.reason
-
-    def lora_receiver(self) -> str | None:
-        """How LoRA syncs reach the engine: ``AdapterLoader`` (its own LoRA) or
-        ``AdapterMerger``; None without LoRA."""
-        return None if self._lora is None else type(self._lora).__name__
-
-    def _same_threads(self) -> int:
-        """Give the calling thread the intra-op threads the engine was built with. The
-        actor's calls run in thread pools Ray started before ``__init__``, whose OpenMP
-        thread count (a per-thread setting; Ray sets OMP_NUM_THREADS to the actor's CPUs)
-        ``torch.set_num_threads`` there did not reach: vLLM's CPU attention refuses a
-        thread count other than the one it planned with, and the hf engine would run on
-        fewer threads than asked."""
-        import torch
-
-        if torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)
-        return torch.get_num_threads()
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        threads = self._same_threads()
-        with profiling.span("generate", prompts=len(prompts), threads=threads) as info:
-            out = self.engine.generate(prompts, params)
-            info["tokens"] = sum(len(c.response_ids) for group in out for c in group)
-        return out
-
-    @profiling.timed("score")
-    def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[float]:
-        self._same_threads()
-        return self.engine.score(token_ids, prompt_len, temperature)
-
-    def drain_spans(self) -> list[profiling.Span]:
-        return profiling.drain()
-
-    def cpu_cores(self) -> list[int]:
-        """The CPU cores this engine's process may run on, over all its threads."""
-        return process_cores()
-
-    def weight_version(self) -> int:
-        return self.engine.weight_version
-
-    # --- weight transports: each one's engine side (vime.ray.transports) runs here ---
-
-    def open_weight_link(self, transport: str, *args: Any) -> None:
-        """Keep what ``transport`` receives through (the broadcast group)."""
-        self.weight_link = transport_class(transport).open_receiver(*args)
-
-    def receive_weights(self, transport: str, *payload: Any) -> Any:
-        """``transport``'s receive, with what its sender sent."""
-        self._same_threads()
-        return transport_class(transport).receive(self, *payload)
-
-    def load_weights(self, buckets: Iterable[list[Any]], version: int) -> int:
-        """A whole set in one update; returns the version served."""
-        self._same_threads()
-        with profiling.span("update_weights") as info:
-            self._update(_counted(buckets, info), version)
-        return self.engine.weight_version
-
-    def _update(self, buckets: Iterable[list[Any]], version: int) -> None:
-        """The engine's update; with LoRA through its receiver (``vime.weights.lora``)."""
-        if self._lora is not None:
-            self._lora.update(self.engine, buckets, version)
-        else:
-            self.engine.update_weights(buckets, version)
-
-    def stream_bucket(self, receive: Callable[[], list[Any]]) -> None:
-        """Receive a bucket and hand it to this sync's update (the first bucket starts it;
-        ``finish_update`` ends it). A failure ends the update where it is: the served
-        version stays."""
-        self._same_threads()  # the update's own thread starts from this one's
-        if self._stream is None:
-            version = self.engine.weight_version  # named by finish_update
-            self._stream = UpdateStream(lambda b: self._update(b, version))
-        try:
-            with profiling.span("receive_bucket") as info:
-                self._stream.put(next(_counted([receive()], info)))
-        except BaseException:
-            self._stream.abort()
-            self._stream = None
-            raise
-
-    @profiling.timed("finish_update")
-    def finish_update(self, version: int) -> int:
-        """End the sync: the update checks the set is complete, then serves ``version``."""
-        stream, self._stream = self._stream, None
-        if stream is None:  # no bucket came: the engine says what is missing
-            self._update([], version)
-        else:
-            stream.finish()
-            vime_device.synchronize()  # the update ran on another thread's stream
-        self.engine.weight_version = version
-        return version
-
-    @profiling.timed("sleep")
-    def sleep(self) -> None:
-        self._same_threads()
-        self.engine.sleep()
-
-    @profiling.timed("wake_up")
-    def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self._same_threads()
-        self.engine.wake_up(tags)
-
-
-def _counted(buckets: Iterable[list[Any]], info: dict[str, Any]) -> Iterator[list[Any]]:
-    """``buckets`` as they go by, their tensors' bytes added to ``info["bytes"]``."""
-    for bucket in buckets:
-        info["bytes"] = info.get("bytes", 0) + sum(
-            t.numel() * t.element_size() for _, t in bucket if hasattr(t, "element_size")
-        )
-        yield bucket
-
-
 class EngineGroup:
     """Every rollout engine of the run; prompts are split evenly across them.
 
     ``kind`` may be ``auto``: each actor resolves it (``resolve_engine``); ``kind`` and
     ``reason`` are then what they chose, and the group refuses engines that disagree
-    (their log-probs would not be comparable).
+    (their log-probs would not be comparable). ``faults``: the restart budget and the
+    health calls' deadline; ``say``: where a restart is reported. ``restore(engines)``,
+    set once the run's transport exists, loads the current weights into restarted
+    engines.
     """
 
     def __init__(
@@ -263,26 +120,55 @@ class EngineGroup:
         placement: Placement,
         options: registry.EngineOptions,
         cpu_cores: Sequence[Sequence[int]] | None = None,
+        *,
+        faults: FaultSettings | None = None,
+        say: Callable[[str], None] = print,
     ) -> None:
         layout = placement.layout
         # ``submit``'s calls run in a thread of their own, so weight loads and scoring (the
         # default group) reach an engine while it generates; ``generate`` stays in order.
-        remote = ray.remote(concurrency_groups={GENERATE_GROUP: 1})(EngineActor)
-        self.actors = []
-        for e in range(layout.num_engines):
-            spec = engine_actor_spec(layout, e, placement.order)
-            if cpu_cores is not None:
-                options = dataclasses.replace(options, cpu_cores=tuple(cpu_cores[e]))
-            actor = remote.options(
-                num_cpus=spec.num_cpus,
-                num_gpus=spec.num_gpus,
-                scheduling_strategy=placement.strategy(
-                    spec.bundle, capture_child_tasks=spec.capture_child_tasks
-                ),
-                runtime_env={"env_vars": spec.env_vars},
-            ).remote(kind, checkpoint, options)
-            self.actors.append(label_actor(actor, f"rollout engine {e}"))
-        wait_all([a.ready.remote() for a in self.actors], "starting the rollout engines")
+        self._remote = ray.remote(concurrency_groups={GENERATE_GROUP: 1, HEALTH_GROUP: 1})(
+            EngineActor
+        )
+        self._placement, self._kind, self._checkpoint = placement, kind, checkpoint
+        self._options = [
+            options
+            if cpu_cores is None
+            else dataclasses.replace(options, cpu_cores=tuple(cpu_cores[e]))
+            for e in range(layout.num_engines)
+        ]
+        self.faults = EngineFaults(faults or FaultSettings())
+        self.say = say
+        self.restore: Callable[[list[int]], None] | None = None
+        self._lock = threading.RLock()
+        self._busy: dict[int, list[Any]] = {}  # engine -> its generations' refs
+        self._unready: set[int] = set()  # restarted, its weights not yet loaded
+        self.actors = [self._start(e) for e in range(layout.num_engines)]
+        started = wait_all([a.ready.remote() for a in self.actors], "starting the rollout engines")
+        self._pids = [self._local_pid(pid, node) for pid, node in started]
+        self._check_choices(kind, options)
+        self.watch = HealthWatch(self.faults.settings.timeout_s, self._watched)
+        self.watch.start()
+
+    def _start(self, engine: int) -> Any:
+        """A new actor for engine ``engine`` on its bundle (not waited for)."""
+        spec = engine_actor_spec(self._placement.layout, engine, self._placement.order)
+        actor = self._remote.options(
+            num_cpus=spec.num_cpus,
+            num_gpus=spec.num_gpus,
+            scheduling_strategy=self._placement.strategy(
+                spec.bundle, capture_child_tasks=spec.capture_child_tasks
+            ),
+            runtime_env={"env_vars": spec.env_vars},
+        ).remote(self._kind, self._checkpoint, self._options[engine])
+        return label_actor(actor, f"rollout engine {engine}")
+
+    @staticmethod
+    def _local_pid(pid: int, node: str) -> int:
+        """``pid`` when the process runs on the driver's node, else 0."""
+        return pid if node == ray.get_runtime_context().get_node_id() else 0
+
+    def _check_choices(self, kind: str, options: registry.EngineOptions) -> None:
         choices = wait_all([a.choice.remote() for a in self.actors], "reading engine kinds")
         if len({k for k, _ in choices}) > 1:
             raise RuntimeError(
@@ -302,11 +188,31 @@ class EngineGroup:
                 f"{tp_engines} where the engines run, or use --rollout-num-gpus-per-engine 1"
             )
 
-    def submit(self, engine: int, prompts: list[list[int]], params: SamplingParams) -> Any:
-        """Start ``params.n`` completions per prompt on engine ``engine``; returns the ref.
-        It runs beside the engine's other calls: new weights arrive while it generates."""
-        call = self.actors[engine].generate.options(concurrency_group=GENERATE_GROUP)
-        return call.remote(prompts, params)
+    def close(self) -> None:
+        """Stop the health calls (the actors go with Ray)."""
+        self.watch.stop()
+
+    # ----- generation -----------------------------------------------------------------------
+
+    def submit(
+        self, engine: int, prompts: list[list[int]], params: SamplingParams, actor: Any = None
+    ) -> Any:
+        """Start ``params.n`` completions per prompt on engine ``engine`` (or on ``actor``,
+        an engine's actor taken earlier by ``actor``); returns the ref. It runs beside the
+        engine's other calls: new weights arrive while it generates."""
+        actor = actor if actor is not None else self.actors[engine]
+        call = actor.generate.options(concurrency_group=GENERATE_GROUP)
+        return self._track(engine, call.remote(prompts, params))
+
+    def actor(self, engine: int) -> Any:
+        """Engine ``engine``'s actor now (a restart replaces it)."""
+        return self.actors[engine]
+
+    def _track(self, engine: int, ref: Any) -> Any:
+        """Note a generation in flight on ``engine``: the health watch checks it moves."""
+        with self._lock:
+            self._busy.setdefault(engine, []).append(ref)
+        return ref
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt; engine k serves the k-th contiguous chunk.
@@ -314,11 +220,11 @@ class EngineGroup:
         Each chunk keeps ``params.seed`` and names its offset in
         ``first_prompt_index``, so every completion is seeded by its whole-batch
         prompt index: the same seed samples the same completions with any number
-        of engines.
+        of engines, and a chunk sent again to a restarted engine samples what the
+        dead one would have.
         """
-        chunks = _split(len(prompts), len(self.actors))
-        refs = []
-        for k, (start, stop) in enumerate(chunks):
+        calls = {}
+        for k, (start, stop) in enumerate(_split(len(prompts), len(self.actors))):
             if start == stop:
                 continue
             first = params.first_prompt_index + start
@@ -327,44 +233,166 @@ class EngineGroup:
                 chunk_params = dataclasses.replace(
                     chunk_params, prompt_indices=params.prompt_indices[start:stop]
                 )
-            refs.append(self.actors[k].generate.remote(prompts[start:stop], chunk_params))
-        out: list[list[Completion]] = []
-        for part in wait_all(refs, "generating completions"):
-            out.extend(part)
+            calls[k] = (prompts[start:stop], chunk_params)
+        parts = self._gather("generate", calls, "generating completions")
+        return [group for k in sorted(parts) for group in parts[k]]
+
+    def _gather(self, method: str, calls: dict[int, tuple[Any, ...]], what: str) -> dict[int, Any]:
+        """``method(*calls[e])`` on each engine ``e``, as ``wait_all`` waits; an engine that
+        dies or hangs is restarted (``lost``, ``recover``) and its call sent again."""
+
+        def send(e: int) -> tuple[Any, Any]:
+            actor = self.actors[e]
+            ref = getattr(actor, method).remote(*calls[e])
+            return (self._track(e, ref) if method == "generate" else ref), actor
+
+        pending = {}
+        for e in calls:
+            ref, actor = send(e)
+            pending[ref] = (e, actor)
+        out: dict[int, Any] = {}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            e, actor = pending.pop(done[0])
+            try:
+                (out[e],) = wait_all(done, what)
+            except ActorFailure as failure:
+                self.lost(e, actor, failure)
+                self.recover()
+                if method == "generate":
+                    self.count_resent(len(calls[e][0]))
+                ref, actor = send(e)
+                pending[ref] = (e, actor)
         return out
+
+    # ----- faults ---------------------------------------------------------------------------
+
+    def _watched(self) -> list[tuple[int, Any, int, bool]]:
+        """The health watch's view: every started engine, its local pid, whether busy."""
+        with self._lock:
+            engines = [
+                (e, a, self._pids[e], list(self._busy.get(e, ())))
+                for e, a in enumerate(self.actors)
+            ]
+        out = []
+        for e, actor, pid, refs in engines:
+            left = ray.wait(refs, num_returns=len(refs), timeout=0)[1] if refs else []
+            with self._lock:  # keep the refs submitted meanwhile
+                done = set(refs) - set(left)
+                self._busy[e] = [r for r in self._busy.get(e, []) if r not in done]
+            out.append((e, actor, pid, bool(left)))
+        return out
+
+    def lost(self, engine: int, actor: Any, failure: ActorFailure) -> None:
+        """A call on ``engine``'s ``actor`` failed with ``failure``: note the engine for
+        ``recover`` when its process died (or the watch found it hung, and killed it);
+        raise otherwise, or with restarts off (the run stops, naming the engine)."""
+        if not engine_died(failure):
+            raise failure
+        why = self.watch.reason(actor)
+        if why is not None:  # the watch's kill: say why it killed it
+            pid = f" (pid {self._pids[engine]})" if self._pids[engine] else ""
+            failure = ActorFailure(f"rollout engine {engine}{pid} {why}", detail=failure.detail)
+        if self.faults.settings.max_restarts == 0:
+            raise failure
+        with self._lock:
+            if self.actors[engine]._actor_id == actor._actor_id:
+                self.faults.lost.setdefault(engine, failure)
+
+    def count_resent(self, requests: int) -> None:
+        """``requests`` prompts sent again, their engine lost (``fault/requests_resent``)."""
+        with self._lock:
+            self.faults.resent += requests
+
+    def ready(self, engine: int) -> bool:
+        """Whether ``engine`` serves the run's weights (not lost, not waiting for them)."""
+        with self._lock:
+            return engine not in self.faults.lost and engine not in self._unready
+
+    def needs_recovery(self) -> bool:
+        with self._lock:
+            return bool(self.faults.lost)
+
+    def recover(self, *, restore: bool = True) -> list[int]:
+        """Replace every lost engine by a new actor on its bundle, its weights loaded by
+        ``restore`` unless ``restore`` is False (the caller's sync loads them); raises
+        ``ActorFailure`` beyond the restart budget. The driver's main thread only: the
+        weights come from the training ranks. Returns the engines restarted."""
+        with self._lock:
+            lost = sorted(self.faults.lost.items())
+        for engine, failure in lost:
+            self.faults.take_restart(engine, failure)
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors[engine], no_restart=True)
+            actor = self._start(engine)
+            ((pid, node),) = wait_all([actor.ready.remote()], f"restarting rollout engine {engine}")
+            with self._lock:
+                self.actors[engine], self._pids[engine] = actor, self._local_pid(pid, node)
+                self._busy.pop(engine, None)
+                self._unready.add(engine)
+                del self.faults.lost[engine]
+            limit = self.faults.settings.max_restarts
+            self.say(
+                f"vime: {failure}; restarted it on its bundle "
+                f"({self.faults.restarts} of --max-engine-restarts {limit})"
+            )
+        restarted = [e for e, _ in lost]
+        if restore and restarted:
+            if self.restore is not None:
+                self.restore(restarted)
+            self.weights_loaded()
+        return restarted
+
+    def weights_loaded(self) -> None:
+        """Every engine serves the run's weights now (after a sync to all of them)."""
+        with self._lock:
+            self._unready.clear()
+
+    def note_dead(self, what: str, timeout_s: float = 5.0) -> bool:
+        """After ``what`` failed on every engine: note those whose process is gone for
+        ``recover`` (True if any), or raise ``ActorFailure`` naming one with restarts off.
+        A transfer to a dead engine fails on the sending side ("connection closed by
+        peer"); this finds the cause. Engines busy past ``timeout_s`` count as alive."""
+        refs = {a.weight_version.remote(): (e, a) for e, a in enumerate(self.actors)}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        found = False
+        for ref in done:
+            e, actor = refs[ref]
+            try:
+                wait_all([ref], what)
+            except ActorFailure as failure:
+                self.lost(e, actor, failure)
+                found = True
+        return found
+
+    # ----- every engine at once -------------------------------------------------------------
+
+    def _each(self, method: str, what: str, *args: Any) -> list[Any]:
+        out = self._gather(method, dict.fromkeys(range(len(self.actors)), args), what)
+        return [out[e] for e in range(len(self.actors))]
 
     def score(self, token_ids: list[int], prompt_len: int, temperature: float) -> list[list[float]]:
         """Every engine's log-probs of ``token_ids[prompt_len:]``, one list per engine."""
-        refs = [a.score.remote(token_ids, prompt_len, temperature) for a in self.actors]
-        return wait_all(refs, "scoring the probe")
+        return self._each("score", "scoring the probe", token_ids, prompt_len, temperature)
 
     def drain_spans(self) -> list[list[profiling.Span]]:
         """Every engine's spans since the last drain, in engine order."""
-        return wait_all([a.drain_spans.remote() for a in self.actors], "reading engine timings")
+        return self._each("drain_spans", "reading engine timings")
 
     def cpu_cores(self) -> list[list[int]]:
         """Every engine's CPU cores, as its process sees them."""
-        return wait_all([a.cpu_cores.remote() for a in self.actors], "reading engine cores")
+        return self._each("cpu_cores", "reading engine cores")
 
     def weight_versions(self) -> list[int]:
-        return wait_all([a.weight_version.remote() for a in self.actors], "reading versions")
+        return self._each("weight_version", "reading versions")
 
     def sleep(self) -> None:
-        wait_all([a.sleep.remote() for a in self.actors], "putting engines to sleep")
-
-    def raise_if_one_died(self, what: str, timeout_s: float = 5.0) -> None:
-        """Raise ``ActorFailure`` naming an engine whose process is gone. A transfer to a
-        dead engine fails on the sending side ("connection closed by peer"); this turns
-        that into the cause, for ``what`` failed. Engines busy past ``timeout_s`` count as
-        alive."""
-        refs = [a.weight_version.remote() for a in self.actors]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        wait_all(done, what)
+        self._each("sleep", "putting engines to sleep")
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Bring back what ``sleep`` freed: ``tags`` of ``vime.rollout.types.MEMORY_TAGS``,
         or all of it."""
-        wait_all([a.wake_up.remote(tags) for a in self.actors], "waking engines")
+        self._each("wake_up", "waking engines", tags)
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

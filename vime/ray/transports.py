@@ -5,7 +5,9 @@ and the engines exist (``make_transport``, which resolves ``auto`` through
 ``weight_transport``), calls ``setup`` once and ``sync(version)`` after every update.
 Each class holds the three parts of one transport, each run in its own process:
 
-- the driver: ``setup`` and ``sync`` (returns the version each engine then serves);
+- the driver: ``setup`` and ``sync`` (returns the version each engine then serves),
+  and ``restore``, which brings restarted engines up to the version last synced
+  (``vime.ray.engines.EngineGroup.recover``);
 - every training rank: ``send``, run by ``TrainWorker.send_weights`` (the backend's
   ``sync_buckets`` is a collective every rank iterates; rank 0 sends), after
   ``open_sender`` where the transport keeps something on the rank;
@@ -90,9 +92,12 @@ class WeightTransport:
     """How new weights get from the training ranks to every engine (see the module)."""
 
     name: ClassVar[str]
+    # Whether ``sync`` can reach some engines only (``restore``'s restarted ones).
+    partial: ClassVar[bool] = False
 
     def __init__(self, settings: Any, train_group: Any, engines: Any) -> None:
         self.settings, self.train_group, self.engines = settings, train_group, engines
+        self.version = 0  # the version the last sync pushed; the engines start at 0
 
     @classmethod
     def settings_from(cls, sync: SyncSettings, use_gpu: bool) -> Any:
@@ -104,10 +109,32 @@ class WeightTransport:
     def setup(self) -> None:
         """Once, before the first sync."""
 
-    def sync(self, version: int) -> list[int]:
-        """Push the trainer's weights to every engine as ``version``; returns the version
-        each engine serves afterwards."""
+    def sync(self, version: int, engines: list[int] | None = None) -> list[int]:
+        """Push the trainer's weights to every engine (or to ``engines``, where the
+        transport is ``partial``) as ``version``; returns the version each engine serves
+        afterwards."""
         raise NotImplementedError(f"{type(self).__name__}.sync")
+
+    def restore(self, engines: list[int]) -> None:
+        """Load the version last synced into ``engines``, restarted from the checkpoint
+        (version 0: nothing to load). Only while the trainer still holds that version:
+        the driver's main thread, outside training and the sync."""
+        if self.version == 0:
+            return
+        if not self.partial:
+            raise RuntimeError(
+                f"--weight-sync {self.name} cannot load the weights into restarted rollout "
+                f"engine(s) {engines} alone; use --weight-sync object-store or disk for "
+                "engine restarts, or --max-engine-restarts 0"
+            )
+        served = self.sync(self.version, engines)
+        if any(v != self.version for v in served):
+            raise RuntimeError(f"restarted engines serve versions {served}, not {self.version}")
+
+    def _actors(self, engines: list[int] | None) -> list[Any]:
+        """The actors of ``engines`` (all of them for None), as they are now."""
+        actors = list(self.engines.actors)
+        return actors if engines is None else [actors[e] for e in engines]
 
     def _send_from_every_rank(self, what: str, version: int) -> list[Any]:
         refs = self.train_group.submit(
@@ -145,17 +172,21 @@ class ObjectStoreTransport(WeightTransport):
     time into one update (the CPU default; tensor-parallel engines on GPUs too)."""
 
     name = "object-store"
+    partial = True
     settings: BucketSettings
 
-    def sync(self, version: int) -> list[int]:
+    def sync(self, version: int, engines: list[int] | None = None) -> list[int]:
         pushes = self.train_group.submit("send_weights", self.name, self.settings, [], version)
         # Rank 0's bucket refs reach the engines as a ref, resolved by Ray once the push
         # is done: the engines start loading without a round trip through the driver.
         loads = [
-            a.receive_weights.remote(self.name, pushes[0], version) for a in self.engines.actors
+            a.receive_weights.remote(self.name, pushes[0], version) for a in self._actors(engines)
         ]
         what = "syncing weights through the object store"
-        return wait_all(pushes + loads, what)[len(pushes) :]
+        served = wait_all(pushes + loads, what)[len(pushes) :]
+        if engines is None:
+            self.version = version
+        return served
 
     @classmethod
     def send(cls, rank: SendingRank, settings: Any, engines: list[Any], version: int) -> list[Any]:
@@ -194,8 +225,9 @@ class BroadcastTransport(WeightTransport):
         ]
         wait_all(refs, "forming the weight-broadcast group")
 
-    def sync(self, version: int) -> list[int]:
+    def sync(self, version: int, engines: list[int] | None = None) -> list[int]:
         self._send_from_every_rank("broadcasting weights", version)
+        self.version = version
         return self.engines.weight_versions()
 
     @staticmethod
@@ -233,8 +265,9 @@ class CudaIpcTransport(WeightTransport):
     name = "cuda-ipc"
     settings: BucketSettings
 
-    def sync(self, version: int) -> list[int]:
+    def sync(self, version: int, engines: list[int] | None = None) -> list[int]:
         self._send_from_every_rank("sharing weights over CUDA IPC", version)
+        self.version = version
         return self.engines.weight_versions()
 
     @classmethod
@@ -273,18 +306,23 @@ class DiskTransport(WeightTransport):
     merged in): a checkpoint an engine could start from."""
 
     name = "disk"
+    partial = True
     settings: DiskSettings
 
     @classmethod
     def settings_from(cls, sync: SyncSettings, use_gpu: bool) -> DiskSettings:
         return DiskSettings(os.path.join(sync.output_dir, "weight_sync"))
 
-    def sync(self, version: int) -> list[int]:
+    def sync(self, version: int, engines: list[int] | None = None) -> list[int]:
         folder = self.settings.folder
         self.train_group.export_hf(folder, merged=True)
-        calls = [a.receive_weights.remote(self.name, folder, version) for a in self.engines.actors]
-        wait_all(calls, "reloading weights from disk")
-        return self.engines.weight_versions()
+        actors = self._actors(engines)
+        calls = [a.receive_weights.remote(self.name, folder, version) for a in actors]
+        served = wait_all(calls, "reloading weights from disk")
+        if engines is None:
+            self.version = version
+            return self.engines.weight_versions()
+        return served
 
     @classmethod
     def receive(cls, engine: ReceivingEngine, folder: str, version: int) -> int:

@@ -284,13 +284,16 @@ class AgentRollouts:
         prompts: Sequence[Prompt],
         prompt_ids: Sequence[list[int]],
         params: SamplingParams,
+        actor: Any = None,
     ) -> list[list[Completion]]:
         """As :meth:`generate`, every turn on engine ``engine`` (the asynchronous producer's
-        calls, each in a thread of its own)."""
+        calls, each in a thread of its own), on its ``actor`` when given: a call whose
+        engine is restarted fails whole, and is sent again from its first turn."""
         from vime.ray.errors import wait_all
 
         def call(ids: list[list[int]], turn: SamplingParams) -> list[list[Completion]]:
-            (out,) = wait_all([self.engines.submit(engine, ids, turn)], "generating turns")
+            ref = self.engines.submit(engine, ids, turn, actor)
+            (out,) = wait_all([ref], "generating turns")
             return out
 
         async def send(ids: list[list[int]], turn: SamplingParams) -> list[list[Completion]]:

@@ -20,7 +20,11 @@ Data: prompts are drawn from the run's one ``PromptSource`` (each read once per
 epoch). A group filtered out by dynamic sampling is consumed, as in the synchronous
 loop; a group that finished too late goes back to be generated again, so nothing is
 lost. ``state_dict`` names what was drawn and not yet trained, which a checkpoint
-keeps and a resumed run generates first.
+keeps and a resumed run generates first. A call whose engine dies or hangs is sent
+again whole, with its own seed, to an engine that serves the run's weights (its
+trajectories regenerated from their start); the engine is restarted by the trainer's
+thread, which owns the training ranks its weights come from (``take``,
+``vime.ray.engines.EngineGroup.recover``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import ray
 
 from vime.data.batch import RolloutBatch
 from vime.data.prompts import Prompt
-from vime.ray.errors import wait_all
+from vime.ray.errors import ActorFailure, wait_all
 from vime.rollout.manager import (
     DataExhausted,
     RolloutManager,
@@ -85,6 +89,8 @@ class _Call:
     prompts: list[Prompt]
     version: int  # what the engines served when it was admitted
     admitted: int  # the admission number of its first group (Admission.started before it)
+    params: Any = None  # its sampling settings, seed included: a resend draws the same
+    actor: Any = None  # the engine actor it runs on
 
 
 @dataclass
@@ -134,6 +140,7 @@ class RolloutProducer:
         )
         self._cond = threading.Condition()
         self._in_flight: dict[Any, _Call] = {}
+        self._resend: collections.deque[_Call] = collections.deque()  # their engine died
         self._engine_version = weight_version
         self._calls = 0  # engine calls made: each one's sampling seed
         self._error: BaseException | None = None
@@ -168,8 +175,10 @@ class RolloutProducer:
     def take(self, rollout_id: int) -> tuple[RolloutBatch, dict[str, float]]:
         """Rollout ``rollout_id``'s batch (blocks until one is ready) and its metrics."""
         waited = time.perf_counter()
-        with self._cond:
-            while True:
+        while True:
+            if self.engines.needs_recovery():  # this thread's: the weights are the trainer's
+                self.engines.recover()
+            with self._cond:
                 if self._error is not None:
                     raise self._error
                 taken, stale = self.ready.take(self.settings.batch_size, rollout_id)
@@ -180,9 +189,10 @@ class RolloutProducer:
                     self._cond.notify_all()
                 if taken:
                     break
-                if self._exhausted and not self._in_flight and not self._retry:
+                if self._exhausted and not (self._in_flight or self._retry or self._resend):
                     raise DataExhausted(f"the prompts ran out during rollout {rollout_id}")
                 self._cond.wait(POLL_S)
+        with self._cond:
             counts, self._counts = self._counts, collections.Counter()
             now, since = time.perf_counter(), self._last_take
             self._last_take = now
@@ -214,7 +224,7 @@ class RolloutProducer:
         """The data position a checkpoint keeps: the prompt source's, and the dataset
         indices of prompts drawn and not yet trained, both taken at one instant."""
         with self._cond:
-            calls = [p for c in self._in_flight.values() for p in c.prompts]
+            calls = [p for c in [*self._in_flight.values(), *self._resend] for p in c.prompts]
             ready = [r.group.prompt for r in self.ready.groups]
             pending = [p.index for p in [*self._retry, *calls, *ready]]
             return {**self.manager.state_dict(), "pending": pending}
@@ -258,29 +268,44 @@ class RolloutProducer:
         settings = self.settings
         with self._cond:
             for engine in range(len(self.engines.actors)):
+                if not self.engines.ready(engine):  # lost, or waiting for its weights
+                    continue
                 busy = sum(c.engine == engine for c in self._in_flight.values())
                 while busy < settings.calls_per_engine:
-                    room = self.admission.room(self._engine_version)
-                    prompts = self._draw(min(room, settings.groups_per_call))
-                    if not prompts:
+                    call = self._resend.popleft() if self._resend else self._new_call()
+                    if call is None:
                         return
-                    admitted = self.admission.started
-                    self.admission.start(len(prompts))
-                    # Seeded by the rollout this producer started at and the call's number.
-                    seed = rollout_seed(settings.seed, self.admission.first_rollout, self._calls)
-                    params = self.manager.sampling_params(seed)
-                    self._calls += 1
-                    ref = self._submit(engine, prompts, params)
-                    self._in_flight[ref] = _Call(engine, prompts, self._engine_version, admitted)
+                    call.engine, call.version = engine, self._engine_version
+                    call.actor = self.engines.actor(engine)
+                    self._in_flight[self._submit(call)] = call
                     busy += 1
 
-    def _submit(self, engine: int, prompts: list[Prompt], params: Any) -> Any:
-        """Start one call on ``engine``: a Ray ref, or a future of its multi-turn loop."""
-        ids = self.manager.ids(prompts)
+    def _new_call(self) -> _Call | None:
+        """The next call's prompts, as many as admission allows, and its seed; None if
+        there is none to make now."""
+        settings = self.settings
+        room = self.admission.room(self._engine_version)
+        prompts = self._draw(min(room, settings.groups_per_call))
+        if not prompts:
+            return None
+        admitted = self.admission.started
+        self.admission.start(len(prompts))
+        # Seeded by the rollout this producer started at and the call's number.
+        seed = rollout_seed(settings.seed, self.admission.first_rollout, self._calls)
+        self._calls += 1
+        params = self.manager.sampling_params(seed)
+        return _Call(-1, prompts, self._engine_version, admitted, params)
+
+    def _submit(self, call: _Call) -> Any:
+        """Start ``call`` on its engine's actor: a Ray ref, or a future of its multi-turn
+        loop (every turn on that actor)."""
+        ids = self.manager.ids(call.prompts)
         if self._agent_threads is None:
-            return self.engines.submit(engine, ids, params)
-        agent = self.manager.agent
-        return self._agent_threads.submit(agent.generate_on, engine, prompts, ids, params)
+            return self.engines.submit(call.engine, ids, call.params, call.actor)
+        generate = self.manager.agent.generate_on
+        return self._agent_threads.submit(
+            generate, call.engine, call.prompts, ids, call.params, call.actor
+        )
 
     def _draw(self, n: int) -> list[Prompt]:
         prompts: list[Prompt] = []
@@ -295,10 +320,20 @@ class RolloutProducer:
 
     def _finish(self, ref: Any) -> None:
         call = self._in_flight[ref]
-        if self._agent_threads is None:
-            (completions,) = wait_all([ref], "generating completions")
-        else:
-            completions = ref.result()
+        try:
+            if self._agent_threads is None:
+                (completions,) = wait_all([ref], "generating completions")
+            else:
+                completions = ref.result()
+        except ActorFailure as failure:
+            # Raised unless its engine died and may be restarted; then sent again whole.
+            self.engines.lost(call.engine, call.actor, failure)
+            self.engines.count_resent(len(call.prompts))
+            with self._cond:
+                del self._in_flight[ref]
+                self._resend.append(call)
+                self._cond.notify_all()
+            return
         groups = self.manager.score(call.prompts, completions)
         versions = [_oldest_version(g, call.version) for g in groups]
         warning = self.manager.scorer.failure_warning()

@@ -15,6 +15,16 @@ from vime.rollout.tools.parsers import AUTO
 
 
 @dataclass(frozen=True)
+class FaultSettings:
+    """Dead and hung rollout engines (``vime.ray.engine_watch``): ``--max-engine-restarts``
+    (restarts in a run; 0: the first one stops the run) and ``--engine-timeout`` (seconds
+    a health call, or a generation's step, may take before the engine counts as hung)."""
+
+    max_restarts: int = 3
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
 class SamplingSettings:
     """How the engines sample: training rollouts (``--rollout-*``, ``--n-samples-per-prompt``)
     and evaluation (``--eval-*``)."""

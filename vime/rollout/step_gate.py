@@ -10,7 +10,9 @@ usually takes it back before a waiter wakes), so the weights would arrive only o
 the generation ended -- the draining that asynchrony exists to avoid. A load whose
 wait raises stops counting as waiting, or every later step would wait for it for ever.
 A load taken again by the thread that holds one is part of it, so several loads
-(LoRA's base and adapter) land as one between two steps.
+(LoRA's base and adapter) land as one between two steps. ``progress`` counts the steps
+and loads begun and ended: what the driver's health calls read to tell a busy engine
+from a hung one (``vime.ray.engine_watch``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ class StepGate:
         self._loading = False
         self._loads_waiting = 0  # the running load included
         self._loader: int | None = None  # the thread running the load
+        self._progress = 0
+
+    @property
+    def progress(self) -> int:
+        """Steps and loads begun and ended so far: it moves while the engine works."""
+        return self._progress
 
     @property
     def loads_waiting(self) -> int:
@@ -43,11 +51,13 @@ class StepGate:
             while self._loads_waiting or self._stepping:
                 self._cond.wait()
             self._stepping = True
+            self._progress += 1
         try:
             yield
         finally:
             with self._cond:
                 self._stepping = False
+                self._progress += 1
                 self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -66,6 +76,7 @@ class StepGate:
                     while self._stepping or self._loading:
                         self._cond.wait()
                     self._loading, self._loader = True, me
+                    self._progress += 1
                     entered = True
                 finally:
                     if not entered:  # the wait raised (a signal, an interrupt): not waiting
@@ -79,5 +90,6 @@ class StepGate:
         finally:
             with self._cond:
                 self._loading, self._loader = False, None
+                self._progress += 1
                 self._loads_waiting -= 1
                 self._cond.notify_all()

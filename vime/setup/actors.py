@@ -77,7 +77,13 @@ def build_actors(
     turns = DeviceTurns(
         train_group,
         lambda: EngineGroup(
-            engines.kind, model.checkpoint, cluster.placement, options, engine_cores
+            engines.kind,
+            model.checkpoint,
+            cluster.placement,
+            options,
+            engine_cores,
+            faults=engines.faults,
+            say=console.say,
         ),
         colocate=settings.colocate,
     )

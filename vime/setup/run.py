@@ -57,6 +57,7 @@ def build_run(args: Config, startup: perf.StartupClock | None = None) -> RunPart
         cluster = build_cluster(settings.cluster)
         startup.mark("ray")
         actors = build_actors(settings.actors, model, cluster, startup, console)
+        closer.callback(actors.engines.close)
         position = (
             _loaded_data_position(settings.load, actors) if actors.start_rollout > 0 else None
         )
@@ -69,6 +70,8 @@ def build_run(args: Config, startup: perf.StartupClock | None = None) -> RunPart
             settings.sync, cluster.use_gpu, actors.train_group, actors.engines
         )
         transport.setup()
+        # A restarted engine takes the weights last synced from the run's transport.
+        actors.engines.restore = transport.restore
         startup.mark("other")
         timing = build_timing(settings.timing, model, actors, clock, console)
         startup.mark("peak")

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from vime.backends.base import TrainSettings
     from vime.ray.placement import PlacementSettings
     from vime.rollout.rewards import RewardSettings
-    from vime.rollout.settings import AgentSettings
+    from vime.rollout.settings import AgentSettings, FaultSettings
     from vime.weights.lora import EngineLora
 
 
@@ -85,7 +85,7 @@ class ClusterSettings:
 class EngineSettings:
     """The engines' kind (``--rollout-engine``) and what each is built with that the
     flags say (``engine_options`` adds what the model does); ``lora``: the engines'
-    part of a LoRA run, None without one."""
+    part of a LoRA run, None without one; ``faults``: what a dead or hung engine costs."""
 
     kind: str
     tensor_parallel_size: int
@@ -93,6 +93,7 @@ class EngineSettings:
     max_model_len: int
     gpu_memory_utilization: float
     lora: EngineLora | None
+    faults: FaultSettings
 
 
 @dataclass(frozen=True)
