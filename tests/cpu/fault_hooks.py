@@ -80,3 +80,18 @@ def signal_engine_on_generation(group: Any, call: int, signum: int, engine: int 
 
     group._track = tracked
     return signalled
+
+
+async def two_turns(sample: Any, engine: Any) -> Any:
+    """A generate function (``--custom-generate-function-path``) of two model turns with
+    environment tokens between (the first turn's own ids, valid for any vocabulary):
+    multi-turn trajectories whatever the model writes."""
+    from vime.rollout.agent import Trajectory
+
+    traj = Trajectory()
+    first = await engine.generate(sample.prompt_ids, max_new_tokens=2)
+    traj.add_turn(first)
+    traj.add_env(first.token_ids)
+    second = await engine.generate(sample.prompt_ids + traj.response_ids)
+    traj.add_turn(second)
+    return traj

@@ -10,7 +10,8 @@ drawn: same seeds, same weights, every prompt trained once). With
 ``--max-engine-restarts 0`` the same kill stops the run naming the engine. In the
 asynchronous loop an engine stopped (SIGSTOP: alive, not answering) is found by its
 health calls, killed and restarted, and the prompts drawn are exactly those trained
-plus those still pending.
+plus those still pending; so too with multi-turn trajectories (a generate function's,
+the tool loop's path), which start again from their first turn.
 """
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ import signal
 from pathlib import Path
 from types import ModuleType
 
+import fault_hooks
 import pytest
 from fault_hooks import signal_engine_on_generation
 
 from vime.config.parser import parse_args
-from vime.ray.engine_watch import RESENT_KEY, RESTARTS_KEY
+from vime.ray.engine_watch import RESENT_KEY, RESTARTS_KEY, HealthWatch
 from vime.ray.errors import ActorFailure
 from vime.setup.run import build_run
 from vime.tracking import read_metrics
 from vime.trainer import Run
 
-BATCH, ROLLOUTS = 8, 3
+BATCH, ROLLOUTS = 8, 2
 ARGS = (
     *("--num-rollout", str(ROLLOUTS), "--rollout-batch-size", str(BATCH)),
     *("--n-samples-per-prompt", "2", "--seed", "5", "--rollout-engine", "hf"),
@@ -63,6 +65,17 @@ def _train(ray: ModuleType, out: Path, *extra: str, signum: int | None = None) -
     return run
 
 
+def _check_drawn(run: Run) -> None:
+    """An asynchronous run's prompts drawn are those it trained plus those pending (drawn,
+    not trained, each once): none lost with a dead engine, none trained twice."""
+    pending = run.producer.state_dict()["pending"]
+    assert len(set(pending)) == len(pending)
+    drawn = run.manager.source.state_dict()
+    assert drawn["epoch"] * drawn["num_prompts"] + drawn["position"] == (
+        ROLLOUTS * BATCH + len(pending)
+    )
+
+
 def test_a_killed_engine_is_restarted_and_the_run_trains_as_without_it(
     local_ray: ModuleType, tmp_path: Path
 ) -> None:
@@ -72,8 +85,8 @@ def test_a_killed_engine_is_restarted_and_the_run_trains_as_without_it(
     run = _train(local_ray, tmp_path / "killed", signum=signal.SIGKILL)
     plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")
     rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
-    assert [r[RESTARTS_KEY] for r in rows] == [0.0, 1.0, 1.0]
-    assert [r[RESENT_KEY] for r in rows] == [0.0, float(BATCH), float(BATCH)]
+    assert [r[RESTARTS_KEY] for r in rows] == [0.0, 1.0]
+    assert [r[RESENT_KEY] for r in rows] == [0.0, float(BATCH)]
     # Every prompt drawn once and trained once: the data source moved by the batches alone.
     assert sum(r["rollout/prompts_drawn"] for r in rows) == ROLLOUTS * BATCH
     assert run.manager.source.state_dict()["position"] == ROLLOUTS * BATCH
@@ -107,9 +120,54 @@ def test_a_hung_engine_is_found_killed_and_restarted_in_the_asynchronous_loop(
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == list(range(ROLLOUTS))
     assert rows[-1][RESTARTS_KEY] == 1.0 and rows[-1][RESENT_KEY] > 0
-    pending = run.producer.state_dict()["pending"]
-    assert len(set(pending)) == len(pending)
-    drawn = run.manager.source.state_dict()
-    assert drawn["epoch"] * drawn["num_prompts"] + drawn["position"] == (
-        ROLLOUTS * BATCH + len(pending)
+    _check_drawn(run)
+
+
+def test_a_killed_engine_of_a_multi_turn_run_regenerates_its_trajectories(
+    local_ray: ModuleType, tmp_path: Path
+) -> None:
+    """Two turns a trajectory, asynchronous: those the dead engine held are generated
+    again from their first turn on the restarted one; the prompts drawn are those
+    trained plus those still pending."""
+    hook = f"{Path(fault_hooks.__file__)}:two_turns"
+    run = _train(
+        local_ray,
+        tmp_path,
+        *("--custom-generate-function-path", hook, "--max-staleness", "1"),
+        signum=signal.SIGKILL,
     )
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["rollout_id"] for r in rows] == list(range(ROLLOUTS))
+    assert rows[-1][RESTARTS_KEY] == 1.0 and rows[-1][RESENT_KEY] > 0
+    assert all(r["agent/turns_mean"] == 2 for r in rows)  # multi-turn indeed
+    _check_drawn(run)
+
+
+def test_an_engine_whose_steps_stand_still_while_generating_is_killed(
+    local_ray: ModuleType,
+) -> None:
+    """The watch's other cause: health calls answered, but the step counter unchanged
+    for ``timeout_s`` while a generation is in flight, kills the engine (its calls then
+    fail as a death's); an idle engine watched as long, its counter as still, is left."""
+    ray = local_ray
+
+    @ray.remote(num_cpus=0)
+    class Stuck:
+        def health(self) -> int:
+            return 7  # answers, never moves
+
+        def ping(self) -> int:
+            return 1
+
+    busy, idle = Stuck.remote(), Stuck.remote()
+    ray.get([busy.ping.remote(), idle.ping.remote()])
+    watch = HealthWatch(1.0, lambda: [(0, busy, 0, True), (1, idle, 0, False)])
+    watch.start()
+    try:
+        with pytest.raises(ray.exceptions.RayActorError):
+            while True:  # until the watch kills it
+                ray.get(busy.ping.remote())
+    finally:
+        watch.stop()
+    assert "made no progress for --engine-timeout 1 s" in watch.reason(busy)
+    assert watch.reason(idle) is None and ray.get(idle.ping.remote()) == 1
