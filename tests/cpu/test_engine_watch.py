@@ -52,9 +52,18 @@ def _release(ray: ModuleType, run: Run) -> None:
     ray.util.remove_placement_group(run.parts.actors.placement.group)
 
 
-def _train(ray: ModuleType, out: Path, *extra: str, signum: int | None = None) -> Run:
-    """A whole run; with ``signum``, sent to engine 0 as it is handed rollout 1's prompts."""
+def _train(
+    ray: ModuleType,
+    out: Path,
+    *extra: str,
+    signum: int | None = None,
+    said: list[str] | None = None,
+) -> Run:
+    """A whole run; with ``signum``, sent to engine 0 as it is handed rollout 1's prompts;
+    the engines' lines (their restarts) kept in ``said`` when given."""
     run = _session(out, *extra)
+    if said is not None:
+        run.engines.say = said.append
     try:
         if signum is not None:
             fired = signal_engine_on_generation(run.engines, call=1, signum=signum)
@@ -65,15 +74,24 @@ def _train(ray: ModuleType, out: Path, *extra: str, signum: int | None = None) -
     return run
 
 
-def _check_drawn(run: Run) -> None:
-    """An asynchronous run's prompts drawn are those it trained plus those pending (drawn,
-    not trained, each once): none lost with a dead engine, none trained twice."""
+def _train_async(
+    ray: ModuleType, out: Path, signum: int, *extra: str, said: list[str] | None = None
+) -> list[dict]:
+    """An asynchronous run (``--max-staleness 1``) whose engine 0 gets ``signum`` as it
+    is handed its second call: every rollout trained after one restart, and the prompts
+    drawn are those trained plus those pending (drawn, not trained, each once): none
+    lost with the engine, none trained twice. Returns the metrics lines."""
+    run = _train(ray, out, "--max-staleness", "1", *extra, signum=signum, said=said)
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["rollout_id"] for r in rows] == list(range(ROLLOUTS))
+    assert rows[-1][RESTARTS_KEY] == 1.0 and rows[-1][RESENT_KEY] > 0
     pending = run.producer.state_dict()["pending"]
     assert len(set(pending)) == len(pending)
     drawn = run.manager.source.state_dict()
     assert drawn["epoch"] * drawn["num_prompts"] + drawn["position"] == (
         ROLLOUTS * BATCH + len(pending)
     )
+    return rows
 
 
 def test_a_killed_engine_is_restarted_and_the_run_trains_as_without_it(
@@ -109,18 +127,14 @@ def test_a_hung_engine_is_found_killed_and_restarted_in_the_asynchronous_loop(
     local_ray: ModuleType, tmp_path: Path
 ) -> None:
     """SIGSTOP (the process alive, answering nothing) while it holds a call: its health
-    calls go unanswered, it is killed and restarted; the prompts drawn are those
-    trained plus those still pending (none lost, none trained twice)."""
-    run = _train(
-        local_ray,
-        tmp_path,
-        *("--max-staleness", "1", "--engine-timeout", "8"),
-        signum=signal.SIGSTOP,
-    )
-    rows = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["rollout_id"] for r in rows] == list(range(ROLLOUTS))
-    assert rows[-1][RESTARTS_KEY] == 1.0 and rows[-1][RESENT_KEY] > 0
-    _check_drawn(run)
+    calls go unanswered (or its steps stand still), it is killed and restarted, one line
+    saying so; the prompts drawn are those trained plus those still pending."""
+    said: list[str] = []
+    _train_async(local_ray, tmp_path, signal.SIGSTOP, "--engine-timeout", "8", said=said)
+    assert len(said) == 1 and said[0].startswith("vime: rollout engine 0 (pid "), said
+    # Either of the watch's causes, whichever its look meets first: never a death.
+    assert "within --engine-timeout 8 s" in said[0] or "for --engine-timeout 8 s" in said[0]
+    assert "restarted it on its bundle (1 of --max-engine-restarts 3)" in said[0]
 
 
 def test_a_killed_engine_of_a_multi_turn_run_regenerates_its_trajectories(
@@ -130,17 +144,10 @@ def test_a_killed_engine_of_a_multi_turn_run_regenerates_its_trajectories(
     again from their first turn on the restarted one; the prompts drawn are those
     trained plus those still pending."""
     hook = f"{Path(fault_hooks.__file__)}:two_turns"
-    run = _train(
-        local_ray,
-        tmp_path,
-        *("--custom-generate-function-path", hook, "--max-staleness", "1"),
-        signum=signal.SIGKILL,
+    rows = _train_async(
+        local_ray, tmp_path, signal.SIGKILL, "--custom-generate-function-path", hook
     )
-    rows = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["rollout_id"] for r in rows] == list(range(ROLLOUTS))
-    assert rows[-1][RESTARTS_KEY] == 1.0 and rows[-1][RESENT_KEY] > 0
     assert all(r["agent/turns_mean"] == 2 for r in rows)  # multi-turn indeed
-    _check_drawn(run)
 
 
 def test_an_engine_whose_steps_stand_still_while_generating_is_killed(
