@@ -207,7 +207,8 @@ def vime_path(args: argparse.Namespace, hf_dir: str, batch: Any) -> tuple[Step, 
 
     hf_config = getattr(actor.backend.model, "config", None)
     attn = getattr(hf_config, "_attn_implementation", None) or "megatron local, THD per-run"
-    # What the rows hold: shared prompts once each (fsdp2 with varlen_sdpa), no padding.
+    # What the rows hold: shared prompts once each (fsdp2 with varlen_sdpa, megatron's
+    # local layers), no padding.
     share = getattr(actor.backend, "shares_prompts", False)
     forwarded = sum(batch.pack(mb, share_prompts=share).row_length for mb in rows)
     batching = f"<={cap} tok/row" + (", compiled blocks" if args.compile_decoder else "")

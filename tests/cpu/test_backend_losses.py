@@ -341,7 +341,22 @@ def _job(rank: int, world: int, backend: str, scenario: str, args, cases, custom
 
         actor = make_actor("fsdp2")
     actor.init(train_settings(args))
-    return SCENARIOS[scenario](actor, args, cases, custom)
+    rows = record_rows(actor.backend)
+    return {**SCENARIOS[scenario](actor, args, cases, custom), "rows": rows}
+
+
+def record_rows(backend) -> list[tuple[int, int]]:
+    """From now on, each row ``backend`` forwards as (its length, the length of the same
+    micro-batch packed unshared), in the list returned."""
+    real, rows = backend._pack, []
+
+    def pack(batch, indices):
+        packed = real(batch, indices)
+        rows.append((packed.row_length, batch.pack(indices).row_length))
+        return packed
+
+    backend._pack = pack
+    return rows
 
 
 _RUNS: dict[tuple, dict] = {}
@@ -530,6 +545,17 @@ def test_one_update_needs_no_second_pass_for_pi_old_however_stale(
     if a["grads"] is not None:
         for name, grad in a["grads"].items():
             torch.testing.assert_close(grad, b["grads"][name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "megatron"])
+def test_both_backends_forward_each_shared_prompt_once(hf_dir, custom_path, tmp_path, backend):
+    """Where a micro-batch holds a group's samples, each backend's row holds their prompt
+    once: shorter than the unshared row, and as long as the other backend's."""
+    rows = _run(hf_dir, backend, "proximal", 1, custom_path, tmp_path)["rows"]
+    assert rows and any(length < unshared for length, unshared in rows), rows
+    assert all(length <= unshared for length, unshared in rows), rows
+    other = "megatron" if backend == "fsdp2" else "fsdp2"
+    assert rows == _run(hf_dir, other, "proximal", 1, custom_path, tmp_path)["rows"]
 
 
 # ----- multi-turn (tool-using) samples: environment tokens inside the response ------------

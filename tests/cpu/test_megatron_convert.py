@@ -40,7 +40,7 @@ from transformers import (
 
 pytest.importorskip("megatron.core")
 
-from vime.backends.megatron import convert
+from vime.backends.megatron import convert, packed_rows
 from vime.backends.megatron import model as mmodel
 from vime.data.micro_batch import pack_micro_batch, response_log_probs
 from vime.weights.hf_files import LazyHFState
@@ -326,6 +326,43 @@ def test_thd_rows_match_the_block_mask(megatron_world: None) -> None:
         scale = want.abs().max()  # fp32 summation order: ~1e-7 of each tensor's scale
         assert (got - want).abs().max() <= 2e-6 * scale
     assert max(g.abs().max() for g in block_grads) > 1e-3
+
+
+def test_shared_prompt_rows_match_unshared_rows(megatron_world: None) -> None:
+    """A row holding each shared prompt once (``packed_rows.device_row``) gives the local
+    layers' log-probs and gradients of the unshared row, in fewer tokens; a shared row
+    without its layout, or for TransformerEngine's layers, is refused."""
+    config = CONFIGS["qwen3"]()
+    tcfg, _ = convert.transformer_config_from_hf(config)
+    model = mmodel.build_gpt_model(config, tcfg)
+    prompt, other = [5, 9, 13, 2], [64, 10]
+    ids = [
+        [*prompt, 77, 31, 8],
+        [64, 10, 4, 90],
+        [*prompt, 3],
+        [*prompt, 60, 12, 99, 1],
+        [*other, 7],
+    ]
+    prompts = [4, 2, 4, 4, 2]
+    params = [p for p in model.parameters() if p.requires_grad]
+    results = []
+    for share in (False, True):
+        host = pack_micro_batch(ids, prompts, pad_to_multiple_of=8, share_prompts=share)
+        packed = packed_rows.device_row(host, torch.device("cpu"), local_attention=True)
+        logp, _ = response_log_probs(mmodel.packed_logits(model, packed), packed)
+        weights = torch.linspace(-1.0, 1.0, logp.numel()).view_as(logp)
+        grads = torch.autograd.grad((weights * logp).sum(), params)
+        results.append((host.row_length, logp.detach(), grads))
+    (plain_length, plain, plain_grads), (shared_length, shared, shared_grads) = results
+    assert shared_length < plain_length
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-5)
+    for got, want in zip(shared_grads, plain_grads, strict=True):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-7
+    host = pack_micro_batch(ids, prompts, share_prompts=True)
+    with pytest.raises(ValueError, match="share_prompts=False"):
+        mmodel.packed_seq_params(host)
+    with pytest.raises(ValueError, match="TransformerEngine"):
+        packed_rows.device_row(host, torch.device("cpu"), local_attention=False)
 
 
 # ----- tensor parallel = 2 ------------------------------------------------------------------

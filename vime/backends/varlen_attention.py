@@ -389,9 +389,9 @@ class _LayoutCache:
     def get(
         self, boundaries: torch.Tensor, layout_of: Callable[[torch.Tensor], RowLayout]
     ) -> RowLayout:
-        attached = getattr(boundaries, _ATTACHED, None)
-        if attached is not None and attached[0] == boundaries._version:
-            return attached[1]
+        attached = attached_layout(boundaries)
+        if attached is not None:
+            return attached
         key = self._key
         if key is None or key[0] is not boundaries or key[1] != boundaries._version:
             self._layout = layout_of(boundaries)
@@ -409,6 +409,20 @@ def attach_layout(boundaries: torch.Tensor, layout: RowLayout) -> None:
     host copy, so the forward reads nothing back from the device. It holds while the
     tensor is unchanged; it goes with the tensor, so several rows may be packed ahead."""
     setattr(boundaries, _ATTACHED, (boundaries._version, layout))
+
+
+def attached_layout(boundaries: torch.Tensor) -> RowLayout | None:
+    """The layout ``attach_layout`` gave ``boundaries`` while it still holds, else None."""
+    attached = getattr(boundaries, _ATTACHED, None)
+    return attached[1] if attached is not None and attached[0] == boundaries._version else None
+
+
+def run_cu_seqlens(layout: RowLayout) -> torch.Tensor:
+    """int32 host ``cu_seqlens`` over ``layout``'s runs, a run that continues a shared
+    prompt bounded without it: the THD bounds of a row whose attention reads the layout."""
+    bounds = torch.full((layout.starts.shape[0] + 1,), layout.length, dtype=torch.int32)
+    bounds[:-1] = layout.starts
+    return bounds
 
 
 def layout_of_cu_seqlens(cu_seqlens: torch.Tensor) -> RowLayout:

@@ -33,7 +33,8 @@ at position s > 0 continues the latest run that started at 0 and attends to its
 first s tokens. Every token is then computed once, the gradient of the prompt is
 the sum over its samples (as it is unshared, up to float rounding), and
 ``cu_seqlens`` no longer describes the attention: only an attention that knows
-the rule can forward a shared row (the fsdp2 backend's ``varlen_sdpa``).
+the rule can forward a shared row (the fsdp2 backend's ``varlen_sdpa``, megatron's
+local layers).
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class PackedBatch:
     loss_samples: torch.Tensor | None = None  # [N] long
     loss_steps: torch.Tensor | None = None  # [N] long
     # run_cu_seqlens() made on the host when packing an unshared row (int32), so an
-    # attention that takes cu_seqlens gets them without a device op
+    # attention that takes cu_seqlens gets them without a device op; on a row with shared
+    # prompts only a packer that also hands the attention the row's layout sets them
+    # (megatron's packed_rows.device_row: the runs' bounds, the prompts in the layout)
     attention_cu_seqlens: torch.Tensor | None = None
     shares_prompts: bool = False  # some prompt serves several samples (module docstring)
 
@@ -94,14 +97,15 @@ class PackedBatch:
     def run_cu_seqlens(self) -> torch.Tensor:
         """``cu_seqlens`` over every position run of the row: the samples, then the
         padding run when there is one -- the boundaries of attention that restarts
-        per run (it covers the whole row, so no position is left unattended)."""
+        per run (it covers the whole row, so no position is left unattended). On a row
+        with shared prompts, only the bounds a packer set with the row's layout."""
+        if self.attention_cu_seqlens is not None:
+            return self.attention_cu_seqlens
         if self.shares_prompts:
             raise ValueError(
                 "a row with shared prompts has no per-sample runs; pack it with "
                 "share_prompts=False for an attention that takes cu_seqlens"
             )
-        if self.attention_cu_seqlens is not None:
-            return self.attention_cu_seqlens
         if self.pad_length == 0:
             return self.cu_seqlens
         end = self.cu_seqlens.new_tensor([self.row_length])

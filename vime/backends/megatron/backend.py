@@ -48,7 +48,6 @@ import torch.distributed as dist
 
 from vime import device as vime_device
 from vime.backends import compile as decoder_compile
-from vime.backends import varlen_attention
 from vime.backends.base import TrainSettings
 from vime.backends.collectives import all_reduce_sum
 from vime.backends.interface import (
@@ -62,7 +61,7 @@ from vime.backends.interface import (
 from vime.backends.lm_head import row_log_probs
 from vime.backends.lm_head_choice import fused_tail
 from vime.backends.megatron import checkpoint as mcheckpoint
-from vime.backends.megatron import convert, pipeline
+from vime.backends.megatron import convert, packed_rows, pipeline
 from vime.backends.megatron import model as mmodel
 from vime.backends.megatron.distrib_optim import DistributedOptimizer
 from vime.backends.megatron.main_params import MainParams
@@ -71,7 +70,6 @@ from vime.backends.megatron.stage_model import load_stage_model
 from vime.backends.megatron.vocab_parallel import VocabShard
 from vime.backends.optim import adamw
 from vime.data.micro_batch import full_vocab_token_stats, response_log_probs
-from vime.sync_budget import host_only
 from vime.weights.buckets import WeightEntry, iter_buckets, tensor_nbytes
 
 
@@ -96,6 +94,9 @@ class MegatronBackend(TrainBackend):
         self.row_multiple = self.tp if own.sequence_parallel else 1
         self.distributed = bool(own.distributed_optimizer)
         self.transformer_impl = own.transformer_impl
+        # The local layers' attention reads rows whose samples share their prompt (computed
+        # once); TransformerEngine's reads cu_seqlens alone, so its rows stay unshared.
+        self.shares_prompts = self.transformer_impl == "local"
         self.fused_norms = mmodel.fuses_norms(self.transformer_impl)
         self.hf_config = AutoConfig.from_pretrained(settings.hf_checkpoint)
         if self.tp > 1:
@@ -236,16 +237,12 @@ class MegatronBackend(TrainBackend):
         return self.vocab_shard.token_stats if self.tp > 1 else full_vocab_token_stats
 
     def _pack(self, batch: Any, indices: tuple[int, ...]) -> Any:
-        """The packed row on the device; for the local layers' attention, its layout too,
-        built from the host row's ``cu_seqlens`` (the forward then reads nothing back)."""
-        host = batch.pack(indices, pad_to_multiple_of=self.row_multiple)
-        packed = host.to(self.device)
-        if self.transformer_impl == "local":
-            with host_only():
-                runs = torch.diff(host.run_cu_seqlens()).tolist()
-                layout = varlen_attention.row_layout(runs, self.device)
-            varlen_attention.attach_layout(packed.run_cu_seqlens(), layout)
-        return packed
+        """The packed row on the device (``packed_rows.device_row``): under the local
+        layers each shared prompt once, its attention layout attached."""
+        host = batch.pack(
+            indices, pad_to_multiple_of=self.row_multiple, share_prompts=self.shares_prompts
+        )
+        return packed_rows.device_row(host, self.device, self.shares_prompts)
 
     def forward_backward(
         self,

@@ -5,11 +5,10 @@ by ``convert.hf_to_megatron`` (``load_megatron_state``) and forwards each micro-
 with ``stage_forward``; its logits meet the fsdp2 backend's log-prob and loss code
 (under TP a vocabulary shard each, reduced by ``vocab_parallel``).
 
-Packed rows go in megatron-core's THD format: ``PackedSeqParams`` whose ``cu_seqlens``
-cover every position run of the row, so RoPE restarts per run (per-token angles,
-``rope.py``) and attention stays within it. The older form -- one sequence under a
-block-diagonal causal mask (``block_causal_mask``), RoPE following ``position_ids`` --
-is what tests check THD against.
+Packed rows go in megatron-core's THD format (``packed_rows.py``: their
+``PackedSeqParams``, the local layers' attention, shared prompts). The older form --
+one sequence under a block-diagonal causal mask (``block_causal_mask``), RoPE
+following ``position_ids`` -- is what tests check THD against.
 
 Layers (``--megatron-transformer-impl``, ``build_gpt_model``): ``local`` (the default,
 the only one on the CPU), megatron-core's local spec whose ``PackedDotProductAttention``
@@ -29,7 +28,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -40,10 +38,14 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from vime import device as vime_device
-from vime.backends import varlen_attention
 from vime.backends.megatron import rope
 from vime.backends.megatron.convert import gpt_extra
 from vime.backends.megatron.flags import TRANSFORMER_IMPLS, transformer_engine_missing
+from vime.backends.megatron.packed_rows import (
+    PackedDotProductAttention,
+    block_causal_mask,
+    packed_seq_params,
+)
 from vime.backends.megatron.shims import apply_cpu_shims
 from vime.data.micro_batch import PackedBatch
 
@@ -210,68 +212,6 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-class PackedDotProductAttention(DotProductAttention):
-    """megatron-core's local core attention, plus packed (THD) rows.
-
-    With ``PackedSeqParams`` queries, keys and values arrive as ``[t, heads, dim]``
-    (RoPE already restarted per run by megatron-core) and attention runs within each
-    run: ``Σ nᵢ²`` work instead of the ``L²`` of a block-diagonal mask. Without them
-    it is megatron-core's own dense path.
-    """
-
-    def __init__(self, config: Any, layer_number: int, *args: Any, **kwargs: Any) -> None:
-        super().__init__(config, layer_number, *args, **kwargs)
-        if config.window_size is not None or config.softmax_type != "vanilla":
-            raise ValueError("packed attention supports neither windows nor softmax offsets")
-        # DotProductAttention splits its scale with the softmax under query-key scaling.
-        scaling = self.layer_number if config.apply_query_key_layer_scaling else 1
-        self.packed_scale = self.softmax_scale * scaling
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: Any = None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params: PackedSeqParams | None = None,
-    ) -> torch.Tensor:
-        if packed_seq_params is None:
-            return super().forward(
-                query, key, value, attention_mask, attn_mask_type, attention_bias
-            )
-        if attention_bias is not None:
-            raise ValueError("packed attention takes no attention bias")
-        return self._packed(query, key, value, packed_seq_params)
-
-    # Not traced by torch.compile (--compile-decoder): the row's layout is Python data that
-    # changes with every row (vime.backends.varlen_attention).
-    @torch.compiler.disable
-    def _packed(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        packed_seq_params: PackedSeqParams,
-    ) -> torch.Tensor:
-        layout = varlen_attention.layout_of_cu_seqlens(packed_seq_params.cu_seqlens_q)
-        dropout = self.config.attention_dropout if self.training else 0.0
-
-        def attend() -> torch.Tensor:
-            q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-            return varlen_attention.packed_causal_attention(
-                q, k, v, layout, scale=self.packed_scale, dropout_p=dropout
-            )
-
-        if dropout and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():  # as DotProductAttention
-                out = attend()
-        else:
-            out = attend()
-        return out.reshape(out.shape[0], self.hidden_size_per_partition)
-
-
 def _with_module(spec: Any, old: type, new: type) -> Any:
     """``spec`` with every ``old`` module class replaced by ``new`` (a copy; specs nest)."""
     if spec is old:
@@ -431,44 +371,13 @@ def load_megatron_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) 
         )
 
 
-def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[B, 1, L, L]`` attention mask (True = masked) of a packed row.
-
-    A new sample starts wherever ``position_ids`` restarts at 0; each token sees
-    the tokens of its own sample up to itself. The padding run at the end of a row
-    is a sample of its own, so it affects nothing else.
-    """
-    length = position_ids.shape[-1]
-    segment = torch.cumsum((position_ids == 0).to(torch.int32), dim=-1)  # [B, L]
-    same = segment[:, :, None] == segment[:, None, :]
-    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    return ~(same & causal).unsqueeze(1)
-
-
-def packed_seq_params(packed: PackedBatch) -> PackedSeqParams:
-    """The THD description of a packed row: one run per sample, plus the padding run.
-
-    What TransformerEngine's THD attention needs, too: int32 ``cu_seqlens`` on the row's
-    device and the longest run as ``max_seqlen``. No ``cu_seqlens_*_padded``: the runs
-    cover the whole row (the padding is a run of its own), so to TE no token is padding
-    and the padded offsets are these.
-    """
-    # int32: TE's kernels read the offsets as int32 (run_cu_seqlens already is).
-    cu_seqlens = packed.run_cu_seqlens().to(packed.input_ids.device, torch.int32)
-    longest = packed.max_run_length
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
-
-
 def stage_forward(model: PackedRowGPTModel, packed: PackedBatch) -> torch.Tensor:
     """This pipeline stage's output for a packed row: vocab-parallel logits ``[1, L, V/TP]``
     on the last stage, hidden states ``[L, 1, H]`` (``L/TP`` under sequence parallel)
     elsewhere. Stages after the first read their input from ``set_input_tensor``."""
+    if packed.shares_prompts and model.config.apply_rope_fusion:
+        # TE's fused RoPE restarts every run of cu_seqlens at position 0.
+        raise ValueError("a row with shared prompts needs the unfused, per-token RoPE")
     return model(
         packed.input_ids,
         packed.position_ids,
