@@ -5,10 +5,11 @@ tied or not, GQA, head_dim != hidden / heads, a character tokenizer whose specia
 the random model samples; a run's loss, advantage and batching flags, multi-turn
 samples with environment tokens): ``Run`` -> ``RayTrainGroup`` -> actors, one rollout
 from the hf engine, trained for one or more optimizer steps by each backend, gives the
-same rollout, the same loss, grad norm and every ``train/*`` metric, and the same
-weights after the steps, at the tolerances of ``test_backend_losses.py``. The fixed CI
-seeds together cover every drawn family, and their batches really hold special ids,
-EOS-ended and length-cut responses and non-zero advantages. A new algorithm flag or an
+same rollout, the same loss, grad norm and every ``train/*`` metric, the same
+weights after the steps, at the tolerances of ``test_backend_losses.py``, and the same
+forwarded rows (a group's shared prompt once). The fixed CI seeds together cover every
+drawn family, and their batches really hold special ids, EOS-ended and length-cut
+responses, non-zero advantages and rows that share a prompt. A new algorithm flag or an
 HF config field the megatron backend reads that no case draws (or excludes, with the
 reason) fails the guard tests. ``VIME_ALIGN_SEED=N pytest ... -k replay`` replays seed N.
 """
@@ -73,9 +74,28 @@ def _release(run: Run) -> None:
     ray.util.remove_placement_group(run.parts.actors.placement.group)
 
 
+def _record_rows(worker) -> None:
+    """Run in a train worker (``__ray_call__``; pickled by value, as nested): from now on
+    its backend keeps each row it forwards as (length, length of the row unshared)."""
+
+    def start(worker) -> None:
+        backend = worker.actor.backend
+        real, backend.recorded_rows = backend._pack, []
+
+        def pack(batch, indices):
+            packed = real(batch, indices)
+            backend.recorded_rows.append((packed.row_length, batch.pack(indices).row_length))
+            return packed
+
+        backend._pack = pack
+
+    ray.get(worker.__ray_call__.remote(start))
+
+
 def _train(case: Case, paths: dict[str, str], backend: str, folder: Path) -> dict:
-    """One rollout of ``case`` trained by ``backend``: its metrics, the weights after, and
-    the sampled batch (the manager's data position put back, so the step draws it again)."""
+    """One rollout of ``case`` trained by ``backend``: its metrics, the weights after, the
+    sampled batch (the manager's data position put back, so the step draws it again), and
+    the rows the backend forwarded (``_record_rows``)."""
     from safetensors.torch import load_file
 
     run = Run(
@@ -85,17 +105,22 @@ def _train(case: Case, paths: dict[str, str], backend: str, folder: Path) -> dic
         position = run.manager.state_dict()
         batch, _ = run.manager.generate(0)
         run.manager.load_state_dict(position)
+        (worker,) = run.train_group.workers
+        _record_rows(worker)
         metrics = run.step(0)
+        rows = ray.get(worker.__ray_call__.remote(lambda w: w.actor.backend.recorded_rows))
         run.train_group.export_hf(str(folder / backend / "hf"))
     finally:
         _release(run)
     weights = load_file(str(folder / backend / "hf" / "model.safetensors"))
-    return {"metrics": metrics, "weights": weights, "batch": batch}
+    return {"metrics": metrics, "weights": weights, "batch": batch, "rows": rows}
 
 
 def _mismatches(fsdp: dict, mega: dict) -> list[str]:
     """Every disagreement between the two backends' outcomes, one line each."""
     out = []
+    if fsdp["rows"] != mega["rows"]:  # each backend forwards each shared prompt once
+        out.append(f"rows (length, unshared): fsdp2 {fsdp['rows']} megatron {mega['rows']}")
     a, b = fsdp["batch"], mega["batch"]
     fields = ("tokens", "loss_masks", "advantages", "rollout_log_probs")
     if any(getattr(a, f) != getattr(b, f) for f in fields):
@@ -165,6 +190,8 @@ def check_seed(seed: int, tmp_path_factory) -> None:
         wrong.append(f"fsdp2's grad norm is {fsdp['metrics']['train/grad_norm']}")
     if not got["moved"] > 0:
         wrong.append("the weights did not move")
+    if not got["megatron"]["rows"]:
+        wrong.append("no forwarded row was recorded")
     header = f"{case.describe()}\nreplay: {REPLAY.format(seed=seed)}"
     assert not wrong, header + "\n" + "\n".join(wrong)
 
@@ -236,10 +263,13 @@ def test_ci_seeds_cover_every_family() -> None:
 def test_ci_batches_hold_special_ids_eos_and_cut_responses(local_ray, tmp_path_factory) -> None:
     """The CI seeds' sampled batches (as trained) hold special ids among the model's own
     tokens, responses ended by EOS and responses cut at the cap, mask holes, and non-zero
-    advantages: what the alignment checks are meant to see."""
-    facts = [
-        batch_facts(draw(s), _outcome(s, tmp_path_factory)["fsdp2"]["batch"]) for s in CI_SEEDS
-    ]
+    advantages, and megatron's rows hold a shared prompt once: what the alignment checks
+    are meant to see."""
+    facts = []
+    for seed in CI_SEEDS:
+        got = _outcome(seed, tmp_path_factory)
+        facts.append(batch_facts(draw(seed), got["fsdp2"]["batch"]))
+        facts[-1]["shared"] = any(n < unshared for n, unshared in got["megatron"]["rows"])
     missing = [k for k in facts[0] if not any(f[k] for f in facts)]
     assert not missing, (missing, facts)
 
