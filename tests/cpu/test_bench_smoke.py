@@ -71,13 +71,9 @@ def test_train_step_bench_smoke(backend: str, tmp_path: Path) -> None:
     assert figures["check"] is True
     vime = figures["paths"][f"vime {backend} (packed)"]
     naive = figures["paths"]["naive HF (padded)"]
-    # No padding in vime's rows (fsdp2 computes each group's shared prompt once).
-    shared = backend == "fsdp2"
-    assert (
-        (vime["forwarded"] < figures["real_tokens"])
-        if shared
-        else (vime["forwarded"] == figures["real_tokens"])
-    )
+    # No padding in vime's rows, and each group's shared prompt computed once (both
+    # backends on the CPU; megatron's TransformerEngine layers would forward it whole).
+    assert vime["forwarded"] < figures["real_tokens"]
     assert naive["forwarded"] > figures["real_tokens"]
     assert len(vime["times"]) == len(naive["times"]) == 1
     assert all(gflops > 0 for _, gflops in figures["peaks"].values())
