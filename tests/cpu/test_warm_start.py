@@ -3,9 +3,9 @@
 Proves: a lookup demonstration is token for token the trajectory the tool loop builds
 when the model makes the right call and answer (the tool's answer masked out), and the
 task's reward gives it 1.0; the batches are the flags' number and size, advantage 1,
-drawn by seed without touching the RL prompt order; the flag is refused where it cannot
-work; and in a run it trains before the first rollout (greedy decoding then calls the
-tool, which the untrained model never does).
+drawn by seed without touching the RL prompt order, marked as no engine's; the flag is
+refused where it cannot work; and in a run it trains before the first rollout (greedy
+decoding then calls the tool, which the untrained model never does).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_the_batches_are_the_flags_and_leave_the_prompt_order_alone(chars) -> No
     assert len(batches) == 3 and all(len(b) == 8 for b in batches)
     by_text = {tuple(ids[p.index]): p for p in prompts}
     for batch in batches:
-        assert batch.advantages == [1.0] * 8
+        assert batch.advantages == [1.0] * 8 and batch.demonstrations
         for tokens, length, mask in zip(
             batch.tokens, batch.prompt_lengths, batch.loss_masks, strict=True
         ):
@@ -93,16 +93,13 @@ def test_the_batches_are_the_flags_and_leave_the_prompt_order_alone(chars) -> No
     assert build_warm_start(None, TASKS["lookup"], chars, prompts, ids) == []
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--prompt-data", "reasoning-gym:gcd"], "built-in task"),
-        (["--prompt-data", "builtin:lookup", "--max-staleness", "1"], "--no-use-tis"),
-    ],
-)
-def test_the_flag_is_refused_where_it_cannot_work(argv, message) -> None:
-    with pytest.raises(ConfigError, match=message):
-        parse_args([*argv, "--sft-warmup-steps", "2"], for_run=True)
+def test_the_flag_is_refused_where_it_cannot_work() -> None:
+    """Demonstrations come from a built-in task; with --max-staleness (its rollout
+    correction on) the warm start is taken: no correction weighs demonstrations."""
+    with pytest.raises(ConfigError, match="built-in task"):
+        parse_args(["--prompt-data", "reasoning-gym:gcd", "--sft-warmup-steps", "2"], for_run=True)
+    args = parse_args(["--prompt-data", "builtin:lookup", "--max-staleness", "1"], for_run=True)
+    assert args.use_tis and args.sft_warmup_steps == 30
 
 
 def test_the_lookup_demo_warms_up_by_default() -> None:

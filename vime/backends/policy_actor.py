@@ -17,6 +17,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, final
 
@@ -234,7 +235,10 @@ class PolicyTrainActor(TrainActor):
                 packed.loss_mask,
                 vime_device.to_device(batch.advantages_of(indices), self.device),
                 norm,
-                self.loss_config,
+                # A warm start's demonstrations have no behaviour policy to correct for.
+                replace(self.loss_config, correction=None)
+                if batch.demonstrations
+                else self.loss_config,
                 old_logp=self._rows(old, indices, width),
                 ref_logp=self._rows(ref, indices, width),
                 rollout_logp=None

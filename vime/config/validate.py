@@ -401,8 +401,7 @@ def _check_optimizer(args: argparse.Namespace) -> None:
 
 
 def _check_warm_start(args: argparse.Namespace) -> None:
-    """``--sft-warmup-steps`` trains demonstrations, which only the built-in tasks give,
-    and they carry no engine log-probs for a rollout correction to weigh."""
+    """``--sft-warmup-steps`` trains demonstrations, which only the built-in tasks give."""
     if not args.sft_warmup_steps:
         return
     from vime.data.prompts import builtin_task_of  # deferred: --help does without it
@@ -411,11 +410,6 @@ def _check_warm_start(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--sft-warmup-steps trains the demonstrations of a built-in task "
             "(--prompt-data builtin:NAME); drop it for other prompt data"
-        )
-    if args.use_tis:
-        raise ConfigError(
-            "--sft-warmup-steps: demonstrations have no engine log-probs for --use-tis "
-            "(on by default with --max-staleness); add --no-use-tis or drop the warm start"
         )
 
 

@@ -24,7 +24,9 @@ class RolloutBatch:
 
     ``loss_masks[i]`` has one 0/1 per response token (all zero for a sample
     excluded from the loss, e.g. a failed reward); ``rollout_log_probs[i]``
-    (one per response token, from the engine) is optional.
+    (one per response token, from the engine) is optional. ``demonstrations``: the
+    samples are a warm start's (``vime.setup.warm_start``), written by no engine, so
+    no rollout correction weighs them.
     """
 
     tokens: list[list[int]]
@@ -32,6 +34,7 @@ class RolloutBatch:
     loss_masks: list[list[int]]
     advantages: list[float]
     rollout_log_probs: list[list[float]] | None = None
+    demonstrations: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.tokens)

@@ -8,7 +8,9 @@ syncs the engines. A demonstration is trained by the run's own loss with every
 advantage 1: the ratio is 1 at each step's single update, so the policy-gradient term
 is the mean negative log-likelihood of its model tokens (tool answers masked out), as a
 cold start's supervised step, and the other terms (KL, entropy) apply as the flags set
-them. The RL prompt order is not touched: the warm start draws its own rows by seed.
+them, but no rollout correction (``--use-tis``, on by default with ``--max-staleness``):
+no engine wrote them. The RL prompt order is not touched: the warm start draws its own
+rows by seed.
 """
 
 from __future__ import annotations
@@ -61,5 +63,7 @@ def build_warm_start(
             tokens.append(list(head) + ids)
             prompt_lengths.append(len(head))
             masks.append(mask)
-        batches.append(RolloutBatch(tokens, prompt_lengths, masks, [1.0] * size))
+        batches.append(
+            RolloutBatch(tokens, prompt_lengths, masks, [1.0] * size, demonstrations=True)
+        )
     return batches
