@@ -18,8 +18,9 @@ from vime.rollout.tools import parsers as tool_parsers
 
 
 def check_agent(args: argparse.Namespace) -> None:
-    """Multi-turn rollouts: a built-in tool task implies its tools; the tools or the
-    generate function import now, so a broken one fails at start-up."""
+    """Multi-turn rollouts: a built-in tool task implies its tools (unless a generate or
+    agent function runs them itself); the tools, the generate function and the agent
+    function import now, so a broken one fails at start-up."""
     from vime.data.prompts import builtin_task_of  # deferred: --help does without it
 
     task = builtin_task_of(args.prompt_data) if args.prompt_data else None
@@ -27,7 +28,8 @@ def check_agent(args: argparse.Namespace) -> None:
         from vime.data.tasks import get_task
 
         implied = getattr(get_task(task), "tools", "")
-        if implied and args.tools is None and args.custom_generate_function_path is None:
+        own = given_flags(args, "custom_generate_function_path", "agent_function_path")
+        if implied and args.tools is None and not own:
             args.tools = implied
     given = given_flags(args, "tools", "custom_generate_function_path", "agent_function_path")
     if len(given) > 1:

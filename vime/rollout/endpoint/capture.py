@@ -267,6 +267,8 @@ class Conversation:
         else:
             self.traj.add_env(context)
             self.traj.add_turn(turn)
+            if turn.finish_reason == "length" and len(turn.token_ids) >= room:
+                self.traj.cut = CUT_BUDGET  # the budget ended the turn, not the agent's cap
         return turn
 
     def _cut(self, why: str) -> None:
