@@ -28,7 +28,7 @@ import train_step as bench
 
 # Launches per layer per packed row as a multiple of the naive padded step's, and per
 # optimizer step outside the rows (the clip, AdamW, the grad norm, the metrics, the KL
-# reference's weight swap): measured 2026-12-05, fsdp2 1.70 and 110.5, megatron 1.49 and
+# reference's weight swap): measured 2026-12-05, fsdp2 1.54 and 110.5, megatron 1.51 and
 # 95.5 (168.5 before its grad norm became one multi-tensor op); the naive step 185.2 a
 # layer a row and 17 a step.
 ROW_RATIO_CEILING = {"fsdp2": 1.60, "megatron": 1.60}

@@ -11,6 +11,7 @@ decoding then calls the tool, which the untrained model never does).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,11 @@ def test_the_batches_are_the_flags_and_leave_the_prompt_order_alone(chars) -> No
 def test_the_flag_is_refused_where_it_cannot_work() -> None:
     """Demonstrations come from a built-in task; with --max-staleness (its rollout
     correction on) the warm start is taken: no correction weighs demonstrations."""
-    with pytest.raises(ConfigError, match="built-in task"):
+    line = (
+        "--sft-warmup-steps trains the demonstrations of a built-in task (--prompt-data "
+        "builtin:NAME); drop it for other prompt data"
+    )
+    with pytest.raises(ConfigError, match=f"^{re.escape(line)}$"):
         parse_args(["--prompt-data", "reasoning-gym:gcd", "--sft-warmup-steps", "2"], for_run=True)
     args = parse_args(["--prompt-data", "builtin:lookup", "--max-staleness", "1"], for_run=True)
     assert args.use_tis and args.sft_warmup_steps == 30

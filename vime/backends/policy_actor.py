@@ -223,6 +223,10 @@ class PolicyTrainActor(TrainActor):
         step = schedule.plan.steps[step_index]
         norm = Normalizers(step.num_tokens, step.num_samples)
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        # A warm start's demonstrations have no behaviour policy to correct for.
+        loss_config = (
+            replace(self.loss_config, correction=None) if batch.demonstrations else self.loss_config
+        )
 
         def loss_of(
             indices: tuple[int, ...], packed: Any, logp: torch.Tensor, entropy: Any
@@ -235,10 +239,7 @@ class PolicyTrainActor(TrainActor):
                 packed.loss_mask,
                 vime_device.to_device(batch.advantages_of(indices), self.device),
                 norm,
-                # A warm start's demonstrations have no behaviour policy to correct for.
-                replace(self.loss_config, correction=None)
-                if batch.demonstrations
-                else self.loss_config,
+                loss_config,
                 old_logp=self._rows(old, indices, width),
                 ref_logp=self._rows(ref, indices, width),
                 rollout_logp=None

@@ -53,16 +53,20 @@ def build_warm_start(
     if settings is None or settings.steps <= 0:
         return []
     rng = random.Random(f"warm-start:{settings.seed}")
-    size = min(settings.batch_size, len(prompts))
+    pool = list(prompts)
+    size = min(settings.batch_size, len(pool))
+    demonstrations: dict[int, tuple[list[int], list[int]]] = {}  # prompt index -> its ids
     batches = []
     for _ in range(settings.steps):
         tokens, prompt_lengths, masks = [], [], []
-        for prompt in rng.sample(list(prompts), size):
+        for prompt in rng.sample(pool, size):
             head = prompt_ids[prompt.index]
-            ids, mask = demonstration_ids(task, prompt, tokenizer)
+            if prompt.index not in demonstrations:
+                demonstrations[prompt.index] = demonstration_ids(task, prompt, tokenizer)
+            ids, mask = demonstrations[prompt.index]
             tokens.append(list(head) + ids)
             prompt_lengths.append(len(head))
-            masks.append(mask)
+            masks.append(list(mask))
         batches.append(
             RolloutBatch(tokens, prompt_lengths, masks, [1.0] * size, demonstrations=True)
         )
