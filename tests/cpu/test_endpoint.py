@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -36,7 +37,7 @@ from endpoint_fixtures import (
 
 from vime.data.prompts import Prompt
 from vime.rollout.agent import CALLS_PER_SAMPLE, AgentRollouts, AgentSample, Turn
-from vime.rollout.endpoint.agent import EndpointAgent
+from vime.rollout.endpoint.agent import EndpointAgent, build_endpoint_agent
 from vime.rollout.endpoint.capture import Conversation
 from vime.rollout.endpoint.server import HEADER, EndpointServer
 from vime.rollout.tools.toolbox import ToolCall, parse_tool_calls
@@ -301,9 +302,10 @@ def test_a_chat_turn_stopped_on_its_closing_tag_is_read_as_the_call(tok) -> None
     assert conversation.trajectory().response_ids == [*model, close] == turn.token_ids
 
 
-def test_agent_flags_are_checked_while_parsing(tmp_path) -> None:
+def test_agent_flags_are_checked_while_parsing(tmp_path, tok) -> None:
     """--agent-function-path: an async (sample, client) function, alone among the ways to
-    generate, with a chat tool parser; its settings reach the endpoint."""
+    generate, with a chat tool parser; its settings reach the endpoint, which listens
+    on the port --endpoint-port names."""
     from vime.config import parse_args
     from vime.config.rollout_settings import agent_settings
     from vime.errors import ConfigError
@@ -329,6 +331,17 @@ def test_agent_flags_are_checked_while_parsing(tmp_path) -> None:
     for argv, message in refusals:
         with pytest.raises(ConfigError, match=message):
             parse_args(argv)
+    with socket.socket() as free:  # a port nothing holds, for the flags to name
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    flags = ["--endpoint-host", "127.0.0.1", "--endpoint-port", str(port)]
+    rollouts = build_endpoint_agent(agent_settings(parse_args([*good, *flags])), tok, None)
+    try:
+        assert rollouts.fn.server.base_url == f"http://127.0.0.1:{port}/v1"
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # the run's endpoint listens where the flags say
+    finally:
+        rollouts.close()
 
 
 def test_an_agent_that_raises_or_returns_junk_stops_the_rollout(engine, tok, server) -> None:
