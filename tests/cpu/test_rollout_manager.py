@@ -6,10 +6,10 @@ out) and advantage code, that:
 
 - with ``--dynamic-sampling-filter`` groups whose rewards all agree are dropped
   and new prompts drawn until ``--rollout-batch-size`` groups are kept, with
-  exact ``prompts_drawn`` / ``groups_filtered`` / ``groups_short`` counts and a
-  new seed per round; at ``--dynamic-sampling-max-rounds`` the rounds stop and
-  dropped groups fill the batch (advantage 0, counted as short); without the
-  filter one round is all there is;
+  exact ``prompts_drawn`` / ``groups_filtered`` / ``groups_short`` counts, the
+  rows trained named in ``rollout/prompt_indices``, and a new seed per round; at
+  ``--dynamic-sampling-max-rounds`` the rounds stop and dropped groups fill the
+  batch (advantage 0, counted as short); without the filter one round is all there is;
 - with ``--over-sampling-factor`` F a round asks for ceil(F x missing) groups, keeps
   the first that pass and counts the passing rest as surplus (default 1.5 with the
   filter);
@@ -43,7 +43,12 @@ from vime.data.prompts import PromptSource, load_prompts, render_prompt
 from vime.data.tasks import CHARSET
 from vime.models.embedded import build_tokenizer
 from vime.rollout.agent import AgentRollouts, Trajectory, Turn
-from vime.rollout.manager import DataExhausted, RolloutManager, rollout_seed
+from vime.rollout.manager import (
+    PROMPT_INDICES_KEY,
+    DataExhausted,
+    RolloutManager,
+    rollout_seed,
+)
 from vime.rollout.rewards import build_reward_scorer
 from vime.rollout.types import Completion, SamplingParams
 
@@ -182,6 +187,7 @@ def test_dynamic_sampling_draws_until_the_batch_is_full(tmp_path, tokenizer) -> 
     assert len({params.seed for _, params in engine.calls}) == 3
     assert _texts_of(manager, batch) == ["q1="] * N + ["q3="] * N
     assert metrics["rollout/prompts_drawn"] == 4.0
+    assert metrics[PROMPT_INDICES_KEY] == [1, 3]  # the rows trained, not those dropped
     assert metrics["rollout/groups_filtered"] == 2.0
     assert metrics["rollout/groups_short"] == 0.0
     assert metrics["rollout/reward_failures"] == 0.0
@@ -200,6 +206,7 @@ def test_dynamic_sampling_draws_until_the_batch_is_full(tmp_path, tokenizer) -> 
     batch, metrics = manager.generate(1)
     assert _texts_of(manager, batch) == ["q4="] * N + ["q5="] * N
     assert metrics["rollout/prompts_drawn"] == 2.0 and metrics["rollout/groups_filtered"] == 0.0
+    assert metrics[PROMPT_INDICES_KEY] == [4, 5]
     assert len(engine.calls) == 4
     with pytest.raises(DataExhausted, match="the prompts ran out during rollout 2"):
         manager.generate(2)

@@ -51,6 +51,8 @@ from vime.rollout.settings import RolloutSettings
 from vime.rollout.tools.toolbox import ERROR_KINDS
 from vime.rollout.types import Completion, SamplingParams
 
+PROMPT_INDICES_KEY = "rollout/prompt_indices"
+
 
 class DataExhausted(Exception):
     """Every epoch of the prompts has been used; the run ends after the last full rollout."""
@@ -166,8 +168,9 @@ class RolloutManager:
             metrics["rollout/groups_surplus"] = float(surplus)
         return self.to_batch(kept), metrics
 
-    def batch_metrics(self, kept: list[_Group], *, failures: int, drawn: int) -> dict[str, float]:
-        """Reward, length and accuracy figures of the groups a rollout trains."""
+    def batch_metrics(self, kept: list[_Group], *, failures: int, drawn: int) -> dict[str, Any]:
+        """Reward, length and accuracy figures of the groups a rollout trains, and which
+        prompts they are (``PROMPT_INDICES_KEY``: their dataset rows, in batch order)."""
         rewards = [r for g in kept for r in g.rewards if r is not None]
         lengths = [len(c.response_ids) for g in kept for c in g.completions]
         truncated = [c.finish_reason == "length" for g in kept for c in g.completions]
@@ -180,6 +183,9 @@ class RolloutManager:
             "rollout/truncated_frac": _mean(truncated),
             "rollout/reward_failures": float(failures),
             "rollout/prompts_drawn": float(drawn),
+            # A list, not a figure (TensorBoard and wandb skip it): metrics.jsonl then says
+            # which rows each rollout trained, across resumes too (bench/soak.py reads it).
+            PROMPT_INDICES_KEY: [g.prompt.index for g in kept],
         }
         if self.is_correct is not None:
             metrics["rollout/accuracy"] = _mean(self._correct(kept))
