@@ -153,7 +153,8 @@ def test_a_late_local_start_is_cleaned_up_and_tried_again(monkeypatch, capsys) -
         init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
         assert ray.is_initialized() and 2 <= len(calls) <= cluster.LOCAL_START_TRIES
         assert all(
-            call == dict(num_cpus=1, include_dashboard=False, log_to_driver=False) for call in calls
+            call == dict(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+            for call in calls
         )
     finally:
         ray.shutdown()

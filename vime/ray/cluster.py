@@ -77,12 +77,8 @@ def start_ray(address: str | None, min_cpus: int) -> None:
         # would wait for a fresh process (~1.5 s on two cores) instead of taking one ready.
         # The "ray" logger at WARNING: a local start's INFO line ("Started a local Ray
         # instance") tells the user nothing they did not ask for.
-        # address="local": a new Ray of this run's own. Without it ray.init joins the
-        # last cluster `ray start` left on the machine (or another job's), if any, and
-        # then refuses num_cpus.
         with _environment(env_vars):
             init_local_ray(
-                address="local",
                 num_cpus=cpus,
                 include_dashboard=False,
                 log_to_driver=True,
@@ -97,7 +93,10 @@ def init_local_ray(**kwargs: Any) -> None:
     Ray 2.60 gives its raylet a fixed 30 s to register with the GCS, then raises. On a
     busy machine (two cores shared with other jobs) that start can be late once and
     fine the next time, so a late start is shut down and tried again, with one line.
+    ``address="local"`` unless given: a Ray of its own, never the cluster another job or
+    ``ray start`` left on the machine (ray.init would join it and refuse ``num_cpus``).
     """
+    kwargs.setdefault("address", "local")
     for attempt in range(1, LOCAL_START_TRIES + 1):
         before = _child_pids()
         try:
