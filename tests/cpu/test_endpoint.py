@@ -271,6 +271,39 @@ def test_a_message_the_template_cannot_read_is_a_400(engine, tok, server) -> Non
     assert conversation.requests == 0
 
 
+class _Cancelled:
+    """An engine handle whose generation is cancelled, as the rollout's are when the run
+    stops with requests in flight."""
+
+    async def generate(self, ids, max_new_tokens=None) -> Turn:
+        raise asyncio.CancelledError
+
+
+def test_a_request_whose_trajectory_is_cancelled_gets_a_503(tok, server) -> None:
+    """The rollout ends under a waiting request: an OpenAI-shaped 503, not uvicorn's
+    500 and a traceback for each request in flight."""
+
+    async def go():
+        sample = AgentSample(Prompt(0, "x", None), [1], 0, 0)
+        conversation = Conversation(
+            sample,
+            _Cancelled(),
+            tok,
+            budget=8,
+            max_turns=2,
+            parse=parse_tool_calls,
+            stops=frozenset(),
+        )
+        key = server.open(conversation)
+        reply = await _post(server, "/completions", {"model": "vime", "prompt": "x"}, key=key)
+        server.release(key)
+        return reply
+
+    reply = asyncio.run(go())
+    assert reply.status_code == 503
+    assert reply.json()["error"]["code"] == "trajectory_stopped"
+
+
 class _Replies:
     """An engine handle answering every request with the same ``ids``, stop kept last."""
 

@@ -104,6 +104,17 @@ class EndpointServer:
         return found
 
 
+def _stopped() -> Refusal:
+    """The request's trajectory was cancelled while it waited (its rollout is over: the
+    run stopped or failed): an answer, not a traceback per request in flight."""
+    return Refusal(
+        503,
+        "this trajectory was stopped before its completion: the run is stopping",
+        "trajectory_stopped",
+        "server_error",
+    )
+
+
 def _app(server: EndpointServer) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
@@ -129,7 +140,13 @@ def _app(server: EndpointServer) -> FastAPI:
             conversation, loop = server.conversation(request.headers.get(HEADER))
             run = _chat if kind == "chat" else _complete
             future = asyncio.run_coroutine_threadsafe(run(conversation, body), loop)
-            out = await asyncio.wrap_future(future)
+            try:
+                out = await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # this request itself was cancelled (the server is stopping)
+                raise _stopped() from None
             if body.get("stream"):
                 return StreamingResponse(_events(out, body), media_type="text/event-stream")
             return JSONResponse(out)
