@@ -9,8 +9,9 @@ actor (``vime.ray.engine_actor``) resolves ``--rollout-engine`` and builds its e
 and never sees the training processes.
 
 Faults (``vime.ray.engine_watch``): an engine that dies, or that its health calls find
-hung, is replaced by a new actor on its bundle, given the current weights by the
-run's transport (``restore``), and the calls it held are sent again, up to
+hung, is replaced by a new actor on its bundle (which Ray places on another node
+when the engine's node died: ``Placement.wait_placed``), given the current weights by
+the run's transport (``restore``), and the calls it held are sent again, up to
 ``--max-engine-restarts`` times in a run.
 
 Timing (``vime.profiling``): each actor records a span around every call that works
@@ -324,8 +325,7 @@ class EngineGroup:
             self.faults.take_restart(engine, failure)
             with contextlib.suppress(Exception):
                 ray.kill(self.actors[engine], no_restart=True)
-            actor = self._start(engine)
-            ((pid, node),) = wait_all([actor.ready.remote()], f"restarting rollout engine {engine}")
+            actor, pid, node = self._restarted(engine, failure)
             with self._lock:
                 self.actors[engine], self._pids[engine] = actor, self._local_pid(pid, node)
                 self._busy.pop(engine, None)
@@ -342,6 +342,26 @@ class EngineGroup:
                 self.restore(restarted)
             self.weights_loaded()
         return restarted
+
+    def _restarted(self, engine: int, failure: ActorFailure) -> tuple[Any, int, str]:
+        """Start engine ``engine``'s new actor and wait for it (it, its pid, its node). When its
+        bundle's node died, the start waits for Ray to place the bundle on another node,
+        up to ``--engine-timeout``, then stops the run in one line."""
+        actor = self._start(engine)
+        ready = actor.ready.remote()
+        timeout_s = self.faults.settings.timeout_s
+        bundles = self._placement.layout.engine_bundles(engine)
+        if not self._placement.wait_placed(ready, bundles, timeout_s):
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            raise ActorFailure(
+                f"{failure}; restarting it: Ray placed its bundle on no live node within "
+                f"--engine-timeout {timeout_s:g} s; give the cluster a node with "
+                f"{self._placement.layout.bundle} free, or run fewer engines",
+                detail=failure.detail,
+            )
+        ((pid, node),) = wait_all([ready], f"restarting rollout engine {engine}")
+        return actor, pid, node
 
     def weights_loaded(self) -> None:
         """Every engine serves the run's weights now (after a sync to all of them)."""

@@ -25,7 +25,8 @@ def wait_all(refs: list[Any], what: str) -> list[Any]:
     A rank that dies leaves its peers blocked in a collective; waiting on the
     refs one by one would hang there, so finished refs are checked as they land.
     The failure's message names the actor (as ``label_actor`` called it) and what
-    happened to it: the remote exception's line, or how its process died.
+    happened to it: the remote exception's line, or how its process (or its
+    node) died.
     """
     pending = list(refs)
     while pending:
@@ -81,9 +82,20 @@ def _describe(err: Exception, detail: str) -> str:
             who = f"actor {found.group(1)}" if found else "an actor"
         pid = _PID.search(detail)
         how = _EXIT_DETAIL.search(detail)
-        reason = how.group(1) if how else "its process died"
+        reason = _node_death(detail) or (how.group(1) if how else "its process died")
         return f"{who}{f' (pid {pid.group(1)})' if pid else ''} died: {reason}"
     return f"{who}: {_short(detail)}" if who else _short(detail)
+
+
+def _node_death(detail: str) -> str | None:
+    """'its node <ip> (Ray node <id>) <what became of it>' when the actor died with its
+    node (a machine lost, a raylet stopped), else None: the node is what to look at."""
+    found = _NODE_DIED.search(detail)
+    if found is None:
+        return None
+    ip = _IP.search(detail)
+    where = f"{ip.group(1)} (Ray node {found.group(1)[:12]})" if ip else found.group(1)[:12]
+    return f"its node {where} {f'was {found.group(2)}' if found.group(2) else 'died'}"
 
 
 # Ray colours the remote actor's name in its error text; a log file wants plain text.
@@ -91,6 +103,12 @@ _ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 _ACTOR_ID = re.compile(r"actor_id[=:] ?([0-9a-f]+)")
 _CLASS_NAME = re.compile(r"class_name: \S*?(\w+)\s")  # the last part of a dotted name
 _PID = re.compile(r"\bpid[=:] ?(\d+)")
+# "The actor died because its node has died. Node Id: <hex>" then, on the next line,
+# "the actor's node was terminated expectedly: received SIGTERM" (Ray 2.60's GCS).
+_NODE_DIED = re.compile(
+    r"its node has died\. Node Id: ([0-9a-f]+)(?:\s+the actor's node was ([^\n]+))?"
+)
+_IP = re.compile(r"^\s*ip: (\S+)", re.MULTILINE)
 # "Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of ..."
 _EXIT_DETAIL = re.compile(r"Worker exit detail: (.+?\.)(?:\s|$)")
 

@@ -7,20 +7,26 @@ the train group and the engine group take their bundles from the returned
 machine a bundle is one logical CPU and the local Ray is told it has at least
 as many CPUs as the run has bundles, so a laptop runs any layout (slowly).
 ``--cpu-split`` gives each side cores of its own (``split_cores``, ``pin_process``).
+A node that dies takes its bundles; Ray places them again where there is room, and a
+restarted engine waits for that, within a limit (``Placement.wait_placed``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 READY_TIMEOUT_S = 120.0
+# How often ``Placement.wait_placed`` looks at where the bundles are.
+PLACED_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,11 @@ class Layout:
     @property
     def num_rollout_bundles(self) -> int:
         return 0 if self.colocate else self.num_engines * self.gpus_per_engine
+
+    @property
+    def bundle(self) -> dict[str, int]:
+        """What each bundle holds: a GPU and a CPU, or a CPU."""
+        return {"CPU": 1, "GPU": 1} if self.use_gpu else {"CPU": 1}
 
     @property
     def num_bundles(self) -> int:
@@ -144,10 +155,29 @@ class Placement:
             placement_group_capture_child_tasks=capture_child_tasks,
         )
 
+    def wait_placed(self, ref: Any, bundles: Sequence[int], timeout_s: float) -> bool:
+        """Wait for ``ref``, the start of an actor on logical ``bundles``: True once it is
+        done (or failed: ``ray.get`` it); False once some of ``bundles`` has been without a
+        node for ``timeout_s`` seconds in a row. A node that dies takes its bundles with
+        it; Ray places them again on a live node with room, and an actor started on one
+        meanwhile waits for that, for ever if no node has room. The actor's own start is
+        not limited (a large engine loads for minutes)."""
+        physical = [self.order[b] for b in bundles]
+        unplaced_since: float | None = None
+        while not ray.wait([ref], timeout=PLACED_POLL_S)[0]:
+            nodes = placement_group_table(self.group)["bundles_to_node_id"]
+            if all(nodes.get(b) for b in physical):
+                unplaced_since = None
+            elif unplaced_since is None:
+                unplaced_since = time.monotonic()
+            elif time.monotonic() - unplaced_since > timeout_s:
+                return False
+        return True
+
 
 def reserve(layout: Layout) -> Placement:
     """One placement group for the whole run; a clear error if the cluster is too small."""
-    bundle = {"CPU": 1, "GPU": 1} if layout.use_gpu else {"CPU": 1}
+    bundle = layout.bundle
     group = placement_group([dict(bundle) for _ in range(layout.num_bundles)], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=READY_TIMEOUT_S)
     if not ready:
