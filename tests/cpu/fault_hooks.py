@@ -1,7 +1,9 @@
 """Fault injection for the tests: a training rank that dies, an engine that dies or hangs.
 
 ``signal_engine_on_generation`` (``test_engine_watch.py``) sends a signal to a rollout
-engine's process as the driver hands it a generation.
+engine's process as the driver hands it a generation; ``on_generation`` and
+``on_training`` run any action there, or while the ranks train (a Ray node removed:
+``test_multinode_faults.py``).
 
 The loss hook below kills the training rank once, for the ``--auto-resume`` tests.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,26 +63,50 @@ def policy_loss(
     return vime_policy_loss(logp, old_logp, advantages, mask, **kwargs)
 
 
-def signal_engine_on_generation(group: Any, call: int, signum: int, engine: int = 0) -> list[int]:
-    """Send ``signum`` to engine ``engine``'s process right after the driver hands it its
-    ``call``-th generation (0 first), once: the engine dies (SIGKILL) or hangs (SIGSTOP)
-    holding that work, as a generation takes far longer than the signal to land. A test
-    hook on a real ``EngineGroup`` (its generations pass ``_track``), never a flag.
-    Returns the pids signalled (one, once it has fired), for the test to check."""
-    track, seen, signalled = group._track, [0], []
+def on_generation(group: Any, call: int, act: Callable[[], None], engine: int = 0) -> list[int]:
+    """Run ``act()`` right after the driver hands engine ``engine`` of a real
+    ``EngineGroup`` its ``call``-th generation (0 first), once: the engine is then lost
+    holding that work, as a generation takes far longer than ``act``. A test hook (its
+    generations pass ``_track``), never a flag. Returns the engine's pid at that moment,
+    once it has fired, for the test to check."""
+    track, seen, fired = group._track, [0], []
 
     def tracked(target: int, ref: Any) -> Any:
         ref = track(target, ref)
         if target == engine:
             if seen[0] == call:
-                pid = group._pids[engine]
-                os.kill(pid, signum)
-                signalled.append(pid)
+                fired.append(group._pids[engine])
+                act()
             seen[0] += 1
         return ref
 
     group._track = tracked
-    return signalled
+    return fired
+
+
+def signal_engine_on_generation(group: Any, call: int, signum: int, engine: int = 0) -> list[int]:
+    """Send ``signum`` to engine ``engine``'s process (on this node) as it is handed its
+    ``call``-th generation (``on_generation``): it dies (SIGKILL) or hangs (SIGSTOP)."""
+    return on_generation(group, call, lambda: os.kill(group._pids[engine], signum), engine)
+
+
+def on_training(call: int, act: Callable[[Any], None]) -> Callable[..., Any]:
+    """A ``RayTrainGroup.train`` that runs ``act(group)`` once, right after the ranks are
+    handed their ``call``-th training step of this process (0 first), then waits for them
+    as the real one does: the fault lands while they train. Set on the class by the test
+    (the run builds its own group), never a flag."""
+    from vime.ray.errors import wait_all
+
+    seen = [0]
+
+    def train(group: Any, schedule_ref: Any) -> dict[str, float]:
+        refs = group.submit("train", schedule_ref)
+        if seen[0] == call:
+            act(group)
+        seen[0] += 1
+        return wait_all(refs, "training")[0]
+
+    return train
 
 
 async def two_turns(sample: Any, engine: Any) -> Any:
