@@ -35,7 +35,7 @@ from vime import profiling
 from vime.errors import ConfigError
 from vime.ray.engine_actor import GENERATE_GROUP, HEALTH_GROUP, EngineActor
 from vime.ray.engine_watch import EngineFaults, HealthWatch, engine_died
-from vime.ray.errors import ActorFailure, label_actor, wait_all
+from vime.ray.errors import ActorFailure, died_with_node, label_actor, wait_all
 from vime.ray.placement import Layout, Placement
 from vime.rollout.engines import registry
 from vime.rollout.settings import FaultSettings
@@ -55,6 +55,10 @@ from vime.rollout.types import Completion, SamplingParams
 # against 0.12 s with PASSIVE, on two cores that other jobs also used.
 ENGINE_ENV_VARS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
+
+# How many new actors one engine restart starts while each dies with its node (a node
+# crashed, which Ray still counted alive when it placed the actor there).
+NODE_LOSSES_PER_RESTART = 3
 
 # The share of a GPU an engine process takes beside a training rank under --colocate.
 COLOCATED_GPU_SHARE = 0.2
@@ -344,9 +348,25 @@ class EngineGroup:
         return restarted
 
     def _restarted(self, engine: int, failure: ActorFailure) -> tuple[Any, int, str]:
-        """Start engine ``engine``'s new actor and wait for it (it, its pid, its node). When its
-        bundle's node died, the start waits for Ray to place the bundle on another node,
-        up to ``--engine-timeout``, then stops the run in one line."""
+        """Start engine ``engine``'s new actor and wait for it (it, its pid, its node).
+        A node lost without a word (a crash) is still alive to Ray until its heartbeats
+        are missed: a new actor placed there meanwhile dies with it, and is started
+        again, up to ``NODE_LOSSES_PER_RESTART`` times."""
+        for attempt in range(1, NODE_LOSSES_PER_RESTART + 1):
+            actor, ready = self._start_placed(engine, failure)
+            try:
+                ((pid, node),) = wait_all([ready], f"restarting rollout engine {engine}")
+                return actor, pid, node
+            except ActorFailure as lost:
+                if not died_with_node(lost) or attempt == NODE_LOSSES_PER_RESTART:
+                    raise
+        raise AssertionError("NODE_LOSSES_PER_RESTART >= 1")
+
+    def _start_placed(self, engine: int, failure: ActorFailure) -> tuple[Any, Any]:
+        """Engine ``engine``'s new actor and its ``ready`` ref, once Ray has the engine's
+        bundle on a live node. When the bundle's node died, Ray places it on another one
+        with room: waited for up to ``--engine-timeout``, then the run stops in one line,
+        ``failure`` (what took the engine) first."""
         actor = self._start(engine)
         ready = actor.ready.remote()
         timeout_s = self.faults.settings.timeout_s
@@ -360,8 +380,7 @@ class EngineGroup:
                 f"{self._placement.layout.bundle} free, or run fewer engines",
                 detail=failure.detail,
             )
-        ((pid, node),) = wait_all([ready], f"restarting rollout engine {engine}")
-        return actor, pid, node
+        return actor, ready
 
     def weights_loaded(self) -> None:
         """Every engine serves the run's weights now (after a sync to all of them)."""

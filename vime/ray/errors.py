@@ -87,6 +87,11 @@ def _describe(err: Exception, detail: str) -> str:
     return f"{who}: {_short(detail)}" if who else _short(detail)
 
 
+def died_with_node(failure: BaseException) -> bool:
+    """Whether ``failure`` (``wait_all``'s) is an actor lost because its node died."""
+    return isinstance(failure, ActorFailure) and _NODE_DIED.search(failure.detail) is not None
+
+
 def _node_death(detail: str) -> str | None:
     """'its node <ip> (Ray node <id>) <what became of it>' when the actor died with its
     node (a machine lost, a raylet stopped), else None: the node is what to look at."""
