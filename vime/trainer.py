@@ -100,6 +100,7 @@ class Run:
 
     def train(self) -> dict[str, Any]:
         loop = self.settings
+        self.engines.faults.at_rollout(self.start_rollout)  # restarts in the first sync count here
         if self.start_rollout > 0:  # the engines start from the HF checkpoint, not the resume
             self.startup.mark("other")
             self.turns.weight_sync()
@@ -135,6 +136,7 @@ class Run:
     def step(self, rollout_id: int) -> dict[str, float]:
         loop, timing = self.settings, self.timing
         timing.begin(rollout_id)
+        self.engines.faults.at_rollout(rollout_id)  # where engine restarts count
         with timing.phase("rollout"):
             self.turns.rollout()
             if self.producer is not None:

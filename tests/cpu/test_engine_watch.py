@@ -1,33 +1,40 @@
 """A dead or hung rollout engine is restarted and the run goes on (``--max-engine-restarts``).
 
 Proves, on real ``vime-train`` runs of the embedded default in this process (real Ray,
-real engines; the fault sent by the test hook ``fault_hooks.py`` to the engine's
-process right after it is handed a generation): an engine killed holding rollout 1's
-prompts is replaced, given the trained weights, and sent them again; the run logs
-``fault/engine_restarts`` 1 and ``fault/requests_resent`` 8 and every other figure as
-a run without the fault (the regenerated samples are what the dead engine would have
-drawn: same seeds, same weights, every prompt trained once); a vLLM engine (where vLLM
-imports) killed alike is restarted serving the trained weights. With
+real engines; the fault sent by the chaos hooks of ``fault_hooks.py`` to the
+engine's process right after it is handed a generation or a weight load): an engine
+killed holding the weight load after rollout 0 is replaced and synced again; one
+killed holding rollout 1's prompts is replaced, given the trained weights, and sent
+them again; the run logs ``fault/engine_restarts`` 2, ``fault/requests_resent`` 8 and
+every other figure (the engines' probe log-probs among them) as a run without the
+faults (the regenerated samples are what the dead engine would have drawn: same
+seeds, same weights, every prompt trained once); a vLLM engine (where vLLM imports)
+killed mid-generation is restarted serving the trained weights. With
 ``--max-engine-restarts 0`` the same kill stops the run naming the engine. In the
 asynchronous loop an engine stopped (SIGSTOP: alive, not answering) is found by its
 health calls, killed and restarted, and the prompts drawn are exactly those trained
 plus those still pending; so too with multi-turn trajectories (a generate function's,
-the tool loop's path), which start again from their first turn.
+the tool loop's path), which start again from their first turn. The restart budget's
+window (``--engine-restart-window``) is checked on plain ``EngineFaults``.
 """
 
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
 import fault_hooks
 import pytest
-from fault_hooks import signal_engine_on_generation
+from fault_hooks import signal_engine_on_generation, signal_engine_on_weight_load
 
+from vime.config import ConfigError
 from vime.config.parser import parse_args
-from vime.ray.engine_watch import RESENT_KEY, RESTARTS_KEY, HealthWatch
+from vime.config.settings import engine_settings
+from vime.ray.engine_watch import RESENT_KEY, RESTARTS_KEY, EngineFaults, HealthWatch
 from vime.ray.errors import ActorFailure
+from vime.rollout.settings import FaultSettings
 from vime.setup.run import build_run
 from vime.tracking import read_metrics
 from vime.trainer import Run
@@ -35,16 +42,14 @@ from vime.trainer import Run
 BATCH, ROLLOUTS = 8, 2
 ARGS = (
     *("--num-rollout", str(ROLLOUTS), "--rollout-batch-size", str(BATCH)),
-    *("--n-samples-per-prompt", "2", "--seed", "5"),
+    *("--n-samples-per-prompt", "2", "--seed", "5", "--rollout-engine", "hf"),
 )
 # Timing, and the fault's own counts, differ between the two runs; nothing else may.
 UNSTABLE = ("perf/", "phase/", "time/", "fault/", "async/")
 
 
 def _session(out: Path, *extra: str) -> Run:
-    """A run of ``ARGS`` on the hf engine unless ``extra`` names another."""
-    argv = [*ARGS, "--rollout-engine", "hf", "--output-dir", str(out), *extra]
-    return Run(build_run(parse_args(argv, for_run=True)))
+    return Run(build_run(parse_args([*ARGS, "--output-dir", str(out), *extra], for_run=True)))
 
 
 def _release(ray: ModuleType, run: Run) -> None:
@@ -55,25 +60,37 @@ def _release(ray: ModuleType, run: Run) -> None:
     ray.util.remove_placement_group(run.parts.actors.placement.group)
 
 
+Chaos = Callable[[Run], list[int]]
+
+
+def _mid_generation(signum: int) -> Chaos:
+    """``signum`` to engine 0 as it is handed its second generation (rollout 1's prompts)."""
+    return lambda run: signal_engine_on_generation(run.engines, call=1, signum=signum)
+
+
+def _mid_weight_load(run: Run) -> list[int]:
+    """SIGKILL to engine 0 as it is handed its first weight load (the sync after rollout 0)."""
+    return signal_engine_on_weight_load(run.transport, call=0)
+
+
 def _train(
     ray: ModuleType,
     out: Path,
     *extra: str,
-    signum: int | None = None,
+    chaos: Sequence[Chaos] = (),
     said: list[str] | None = None,
 ) -> Run:
-    """A whole run; with ``signum``, sent to engine 0 as it is handed rollout 1's prompts;
-    the engines' lines (their restarts) kept in ``said`` when given."""
+    """A whole run, each of ``chaos`` firing once in it; the engines' lines (their
+    restarts) kept in ``said`` when given."""
     run = _session(out, *extra)
     if said is not None:
         run.engines.say = said.append
     try:
-        if signum is not None:
-            fired = signal_engine_on_generation(run.engines, call=1, signum=signum)
+        fired = [hook(run) for hook in chaos]
         run.train()
     finally:
         _release(ray, run)
-    assert signum is None or len(fired) == 1
+    assert all(len(pids) == 1 for pids in fired), fired
     return run
 
 
@@ -84,7 +101,9 @@ def _train_async(
     is handed its second call: every rollout trained after one restart, and the prompts
     drawn are those trained plus those pending (drawn, not trained, each once): none
     lost with the engine, none trained twice. Returns the metrics lines."""
-    run = _train(ray, out, "--max-staleness", "1", *extra, signum=signum, said=said)
+    run = _train(
+        ray, out, "--max-staleness", "1", *extra, chaos=[_mid_generation(signum)], said=said
+    )
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["rollout_id"] for r in rows] == list(range(ROLLOUTS))
     assert rows[-1][RESTARTS_KEY] == 1.0 and rows[-1][RESENT_KEY] > 0
@@ -98,19 +117,31 @@ def _train_async(
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_a_killed_engine_is_restarted_and_the_run_trains_as_without_it(
+def test_engines_killed_mid_weight_load_and_mid_generation_leave_the_run_as_without(
     engine: str, local_ray: ModuleType, tmp_path: Path
 ) -> None:
-    """Killed holding rollout 1's 8 prompts: one restart, 8 resent, the new engine
-    sampling with the trained weights, every prompt trained once; on hf every metric of
-    every rollout equal to the same run's without the kill (vLLM, where it imports: the
-    kill alone, the suite's time being short)."""
+    """hf: killed holding the weight load after rollout 0, then holding rollout 1's 8
+    prompts: two restarts, 8 resent, and every metric of every rollout (the engines'
+    probe log-probs, which the synced weights set, among them) equal to the same run's
+    without the kills. vLLM (where it imports): the generation kill alone, the new
+    engine sampling with the trained weights (the suite's time being short)."""
     if engine == "vllm":  # CI fails instead where it does not import (test_engines.py)
         pytest.importorskip("vllm")
-    flags = ("--rollout-engine", engine)
-    run = _train(local_ray, tmp_path / "killed", *flags, signum=signal.SIGKILL)
-    rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
-    assert [r[RESTARTS_KEY] for r in rows] == [0.0, 1.0]
+        chaos, said = [_mid_generation(signal.SIGKILL)], []
+        run = _train(local_ray, tmp_path / "killed", "--rollout-engine", "vllm", chaos=chaos)
+        rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+        assert [r[RESTARTS_KEY] for r in rows] == [0.0, 1.0]
+    else:
+        _train(local_ray, tmp_path / "plain")
+        chaos, said = [_mid_weight_load, _mid_generation(signal.SIGKILL)], []
+        run = _train(local_ray, tmp_path / "killed", chaos=chaos, said=said)
+        # The first found by the failed sync (synced again), the second by its generation.
+        assert [line.split(" failed: ")[0] for line in said] == [
+            "vime: syncing weights",
+            "vime: generating completions",
+        ], said
+        rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+        assert [r[RESTARTS_KEY] for r in rows] == [1.0, 2.0]
     assert [r[RESENT_KEY] for r in rows] == [0.0, float(BATCH)]
     # Rollout 1 was sampled by the restarted engine: its log-probs are the trainer's
     # (an engine left on the checkpoint's weights was 0.06 off, on either engine).
@@ -122,10 +153,9 @@ def test_a_killed_engine_is_restarted_and_the_run_trains_as_without_it(
     assert run.manager.source.state_dict()["position"] == ROLLOUTS * BATCH
     if engine == "vllm":
         return
-    _train(local_ray, tmp_path / "plain", *flags)
     plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")
     stable = [k for k in plain[1] if not k.startswith(UNSTABLE)]
-    assert "rollout/reward_mean" in stable and "train/loss" in stable
+    assert {"rollout/reward_mean", "train/loss", "weights/probe_logprob_abs_diff"} <= set(stable)
     for got, want in zip(rows, plain, strict=True):
         assert {k: got[k] for k in stable} == {k: want[k] for k in stable}
 
@@ -135,7 +165,13 @@ def test_with_no_restarts_a_dead_engine_stops_the_run_naming_it(
 ) -> None:
     """``--max-engine-restarts 0``: the kill stops the run in rollout 1, naming engine 0."""
     with pytest.raises(ActorFailure, match=r"rollout engine 0 \(pid \d+\) died"):
-        _train(local_ray, tmp_path, "--max-engine-restarts", "0", signum=signal.SIGKILL)
+        _train(
+            local_ray,
+            tmp_path,
+            "--max-engine-restarts",
+            "0",
+            chaos=[_mid_generation(signal.SIGKILL)],
+        )
     assert [r["rollout_id"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0]
 
 
@@ -150,7 +186,9 @@ def test_a_hung_engine_is_found_killed_and_restarted_in_the_asynchronous_loop(
     assert len(said) == 1 and said[0].startswith("vime: rollout engine 0 (pid "), said
     # Either of the watch's causes, whichever its look meets first: never a death.
     assert "within --engine-timeout 8 s" in said[0] or "for --engine-timeout 8 s" in said[0]
-    assert "restarted it on its bundle (1 of --max-engine-restarts 3)" in said[0]
+    assert (
+        "restarted it on its bundle (1 of --max-engine-restarts 3 within 100 rollouts)" in said[0]
+    )
 
 
 def test_a_killed_engine_of_a_multi_turn_run_regenerates_its_trajectories(
@@ -194,3 +232,47 @@ def test_an_engine_whose_steps_stand_still_while_generating_is_killed(
         watch.stop()
     assert "made no progress for --engine-timeout 1 s" in watch.reason(busy)
     assert watch.reason(idle) is None and ray.get(idle.ping.remote()) == 1
+
+
+def test_more_restarts_than_the_budget_within_the_window_stop_the_run() -> None:
+    """``--max-engine-restarts 2 --engine-restart-window 3``: restarts in rollouts 0 and
+    2 fit, a third in rollout 2 stops the run with one line naming the engine and its
+    error; in rollout 3 rollout 0's is out of the window and one more fits. Window 0
+    counts over the whole run; no restarts raise the failure itself."""
+    died = ActorFailure("rollout engine 1 (pid 7) died: the actor died unexpectedly")
+    faults = EngineFaults(FaultSettings(max_restarts=2, restart_window=3))
+    for rollout in (0, 2):
+        faults.at_rollout(rollout)
+        faults.take_restart(1, died)
+    with pytest.raises(ActorFailure) as stop:
+        faults.take_restart(1, died)
+    assert str(stop.value) == (
+        "rollout engine 1 failed after 2 engine restart(s) (--max-engine-restarts 2 within "
+        f"3 rollouts): {died}"
+    )
+    faults.at_rollout(3)
+    faults.take_restart(1, died)
+    assert faults.restarts == 3 and faults.metrics()[RESTARTS_KEY] == 3.0
+
+    whole = EngineFaults(FaultSettings(max_restarts=2, restart_window=0))
+    for rollout in (0, 500):
+        whole.at_rollout(rollout)
+        whole.take_restart(0, died)
+    whole.at_rollout(10_000)
+    with pytest.raises(ActorFailure, match=r"\(--max-engine-restarts 2 in the run\)"):
+        whole.take_restart(0, died)
+    with pytest.raises(ActorFailure) as off:
+        EngineFaults(FaultSettings(max_restarts=0)).take_restart(0, died)
+    assert off.value is died
+
+
+def test_the_restart_window_is_parsed_and_a_negative_one_refused() -> None:
+    """``--engine-restart-window`` reaches the engines' settings (default 100); a
+    negative one is refused at parse time, in one line."""
+    assert engine_settings(parse_args([])).faults == FaultSettings(3, 300.0, 100)
+    window = engine_settings(parse_args(["--engine-restart-window", "0"])).faults
+    assert window.restart_window == 0
+    with pytest.raises(ConfigError, match=r"^argument --engine-restart-window: must be >= 0"):
+        parse_args(["--engine-restart-window", "-1"])
+    with pytest.raises(ConfigError, match="--engine-restart-window must be >= 0 rollouts"):
+        FaultSettings(restart_window=-1)

@@ -72,9 +72,18 @@ def _engine_faults(p: argparse._ArgumentGroup) -> None:
         default=faults.max_restarts,
         metavar="N",
         help="a rollout engine that dies or hangs is replaced on its bundle, given the "
-        "current weights, and its requests are sent again, up to N times in the run "
-        "(beyond: the run stops naming the engine and its last error; 0: the first one "
-        f"stops the run; default {faults.max_restarts})",
+        "current weights, and its requests are sent again, up to N times within "
+        "--engine-restart-window rollouts (beyond: the run stops naming the engine and its "
+        f"last error; 0: the first one stops the run; default {faults.max_restarts})",
+    )
+    p.add_argument(
+        "--engine-restart-window",
+        type=non_negative_int,
+        default=faults.restart_window,
+        metavar="R",
+        help="the rollouts --max-engine-restarts counts over: more than N restarts within "
+        "any R consecutive rollouts stop the run (0: the whole run; default "
+        f"{faults.restart_window})",
     )
     p.add_argument(
         "--engine-timeout",

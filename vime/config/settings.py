@@ -122,7 +122,9 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         max_model_len=args.rollout_max_prompt_len + args.rollout_max_response_len,
         gpu_memory_utilization=args.rollout_gpu_memory_utilization,
         lora=lora,
-        faults=FaultSettings(args.max_engine_restarts, args.engine_timeout),
+        faults=FaultSettings(
+            args.max_engine_restarts, args.engine_timeout, args.engine_restart_window
+        ),
     )
 
 

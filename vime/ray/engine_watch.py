@@ -1,7 +1,8 @@
 """Engine faults: a dead or hung rollout engine is found, counted and replaced.
 
 Where it fits: ``vime.ray.engines.EngineGroup`` owns one ``EngineFaults`` (the restart
-budget, ``--max-engine-restarts``, and the counts the metrics report) and one
+budget, ``--max-engine-restarts`` within ``--engine-restart-window`` rollouts, which the
+trainer's loop names as it starts each; the counts the metrics report) and one
 ``HealthWatch``, a driver thread that sends every started engine a health call in its
 own concurrency group and kills the engine whose call is not answered within
 ``--engine-timeout`` seconds, or whose step counter (``vime.rollout.step_gate``) stands
@@ -19,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,30 +44,50 @@ def engine_died(failure: BaseException) -> bool:
 
 @dataclass
 class EngineFaults:
-    """The run's restart budget and counts, and the engines waiting for a restart."""
+    """The run's restart budget and counts, and the engines waiting for a restart.
+
+    The budget is ``max_restarts`` within any ``restart_window`` consecutive rollouts
+    (0: the whole run), counted on the rollout the trainer last named (``at_rollout``).
+    """
 
     settings: FaultSettings
     restarts: int = 0
     resent: int = 0
     # engine index -> the failure that took it (its actor is replaced by ``recover``)
     lost: dict[int, ActorFailure] = field(default_factory=dict)
+    rollout: int = 0  # the rollout in progress
+    # the rollout of each restart still inside the window, oldest first
+    recent: deque[int] = field(default_factory=deque)
 
     def metrics(self) -> dict[str, float]:
         """The run's totals so far, for every metrics line."""
         return {RESTARTS_KEY: float(self.restarts), RESENT_KEY: float(self.resent)}
 
+    def at_rollout(self, rollout_id: int) -> None:
+        """The trainer starts rollout ``rollout_id``: restarts from now on count there."""
+        self.rollout = rollout_id
+
+    def budget(self) -> str:
+        """The budget in words, for the console: ``--max-engine-restarts N`` and its window."""
+        window = self.settings.restart_window
+        within = f"within {window} rollouts" if window else "in the run"
+        return f"--max-engine-restarts {self.settings.max_restarts} {within}"
+
     def take_restart(self, engine: int, failure: ActorFailure) -> None:
         """Count one restart of ``engine``, or raise: ``failure`` itself with restarts off
         (the run stops as it always did), one line naming the engine beyond the budget."""
-        limit = self.settings.max_restarts
+        limit, window = self.settings.max_restarts, self.settings.restart_window
         if limit == 0:
             raise failure
-        if self.restarts >= limit:
+        while window and self.recent and self.recent[0] <= self.rollout - window:
+            self.recent.popleft()  # out of the window: forgiven
+        if len(self.recent) >= limit:
             raise ActorFailure(
-                f"rollout engine {engine} failed after {self.restarts} engine restart(s) "
-                f"(--max-engine-restarts {limit}): {failure}",
+                f"rollout engine {engine} failed after {len(self.recent)} engine restart(s) "
+                f"({self.budget()}): {failure}",
                 detail=failure.detail,
             )
+        self.recent.append(self.rollout)
         self.restarts += 1
 
 

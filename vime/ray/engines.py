@@ -12,7 +12,7 @@ Faults (``vime.ray.engine_watch``): an engine that dies, or that its health call
 hung, is replaced by a new actor on its bundle (which Ray places on another node
 when the engine's node died: ``Placement.wait_placed``), given the current weights by
 the run's transport (``restore``), and the calls it held are sent again, up to
-``--max-engine-restarts`` times in a run.
+``--max-engine-restarts`` times within ``--engine-restart-window`` rollouts.
 
 Timing (``vime.profiling``): each actor records a span around every call that works
 (generate, with the tokens it made; score; each weight load, with the bytes it
@@ -335,10 +335,9 @@ class EngineGroup:
                 self._busy.pop(engine, None)
                 self._unready.add(engine)
                 del self.faults.lost[engine]
-            limit = self.faults.settings.max_restarts
             self.say(
                 f"vime: {failure}; restarted it on its bundle "
-                f"({self.faults.restarts} of --max-engine-restarts {limit})"
+                f"({len(self.faults.recent)} of {self.faults.budget()})"
             )
         restarted = [e for e, _ in lost]
         if restore and restarted:

@@ -17,11 +17,21 @@ from vime.rollout.tools.parsers import AUTO
 @dataclass(frozen=True)
 class FaultSettings:
     """Dead and hung rollout engines (``vime.ray.engine_watch``): ``--max-engine-restarts``
-    (restarts in a run; 0: the first one stops the run) and ``--engine-timeout`` (seconds
-    a health call, or a generation's step, may take before the engine counts as hung)."""
+    (restarts within ``--engine-restart-window`` rollouts, 0 of those: the whole run; 0
+    restarts: the first death stops the run) and ``--engine-timeout`` (seconds a health
+    call, or a generation's step, may take before the engine counts as hung)."""
 
     max_restarts: int = 3
     timeout_s: float = 300.0
+    restart_window: int = 100
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-engine-restarts must be >= 0, got {self.max_restarts}")
+        if self.restart_window < 0:
+            raise ConfigError(
+                f"--engine-restart-window must be >= 0 rollouts, got {self.restart_window}"
+            )
 
 
 @dataclass(frozen=True)
