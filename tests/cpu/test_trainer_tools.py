@@ -5,11 +5,14 @@ on ``builtin:lookup`` implies its tool, logs the agent metrics every rollout and
 fraction of held-out trajectories that call the tool; a run resumed from its
 checkpoint redoes the next rollout exactly (same trajectories, rewards, loss); and
 with ``--max-staleness 1`` the same trajectories are generated asynchronously,
-at most one version old; and the loop runs on vLLM too.
+at most one version old, on vLLM (where it imports: always under CI), turn after turn
+as token ids. The asynchronous and the vLLM claims share one run: each start of
+``vime-train`` costs the suite more than the rollouts it makes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -77,30 +80,36 @@ def test_resume_redoes_the_next_rollout_exactly(tool_run: Path, tmp_path: Path) 
         assert resumed[key] == pytest.approx(original[key], rel=1e-6, abs=1e-9), key
 
 
-def test_tools_compose_with_the_asynchronous_producer(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def async_tool_run(tmp_path_factory) -> list[dict]:
+    """Three rollouts of the tool loop with ``--max-staleness 1``, on vLLM where it imports
+    (else the hf engine, so the asynchronous claim holds without vLLM too)."""
+    out = tmp_path_factory.mktemp("async_tools")
+    engine = "vllm" if importlib.util.find_spec("vllm") else "hf"
     _train(
         *LOOKUP,
-        *("--max-staleness", "1", "--num-rollout", "3", "--output-dir", str(tmp_path / "o")),
-        cwd=tmp_path,
+        *("--max-staleness", "1", "--rollout-engine", engine, "--num-rollout", "3"),
+        *("--output-dir", str(out / "o")),
+        cwd=out,
     )
-    rows = _metrics(tmp_path / "o")
+    return _metrics(out / "o")
+
+
+def test_tools_compose_with_the_asynchronous_producer(async_tool_run: list[dict]) -> None:
+    """The tool loop under the asynchronous producer: every rollout trained on
+    trajectories at most one version old, the agent metrics logged."""
+    rows = async_tool_run
     assert [r["rollout_id"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert r["async/staleness_max"] <= 1
         assert 1 <= r["agent/turns_mean"] <= 2 and "agent/tool_calls" in r
 
 
-def test_the_tool_loop_runs_on_vllm(tmp_path: Path) -> None:
+def test_the_tool_loop_runs_on_vllm(async_tool_run: list[dict]) -> None:
     """The same tool run with vLLM as the engine (where vLLM imports): turn after turn as
     token ids, trained and synced, the agent metrics logged."""
     pytest.importorskip("vllm")
-    _train(
-        *LOOKUP,
-        *("--rollout-engine", "vllm", "--num-rollout", "2", "--output-dir", str(tmp_path / "o")),
-        cwd=tmp_path,
-    )
-    rows = _metrics(tmp_path / "o")
-    assert [r["rollout_id"] for r in rows] == [0, 1]
+    rows = async_tool_run
     for r in rows:
         assert not [k for k in AGENT if k not in r]
         assert r["weights/probe_logprob_abs_diff"] < 1e-4
