@@ -30,7 +30,8 @@ transport per placement are checked as pure functions. Ctrl-C ends a run with
 status 130 (SIGTERM: 143), a line saying where its outputs are and where it
 resumes, and its metrics, plot, summary ("interrupted", "terminated") and checkpoint
 kept; a failed run's summary says "failed"; Ctrl-C while a run starts leaves no
-output folder.
+output folder. SIGTERM stops the resumed run (each start of ``vime-train`` costs the
+suite more than its rollouts), each claim asserted in a test of its own.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -242,29 +244,32 @@ def test_outputs_land_in_the_output_folder(full_run: Path) -> None:
     assert iteration_dir(ckpt, 1).is_dir() and iteration_dir(ckpt, 2).is_dir()
 
 
-def test_resume_redoes_the_next_rollout_exactly(full_run: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def resumed_run(full_run: Path, tmp_path_factory) -> SimpleNamespace:
+    """The full run resumed from its checkpoint of rollout 1, colocated (training asleep
+    from the start, the loaded weights synced first: the engines then refuse to serve
+    until the weight-sync turn) through disk, saving every 2 rollouts to a folder of its
+    own, and stopped by SIGTERM after its first save (rollout 3): the resume and a
+    scheduler's stop share one start of ``vime-train``."""
+    tmp_path = tmp_path_factory.mktemp("resume")
     # A checkpoint folder as it was right after rollout 1 was saved.
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copytree(iteration_dir(full_run / "ckpt", 1), iteration_dir(ckpt, 1))
     (ckpt / TRACKER).write_text("1\n")
-    _train(
-        "--num-rollout",
-        "3",
-        "--output-dir",
-        str(tmp_path / "out"),
-        "--load",
-        str(ckpt),
-        "--weight-sync",
-        "disk",
-        # Colocated, the resumed run starts with training asleep and syncs the loaded
-        # weights first: the engines then refuse to serve until the weight-sync turn.
-        "--colocate",
-        *SHUFFLED,
-        cwd=tmp_path,
-    )
-    resumed = _metrics(tmp_path / "out")
-    assert [r["rollout_id"] for r in resumed] == [2]
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    flags = ["--num-rollout", "1000", "--output-dir", str(out), "--load", str(ckpt)]
+    flags += ["--weight-sync", "disk", "--colocate", *SHUFFLED]
+    proc = _start(*flags, "--save", str(saved), "--save-interval", "2", cwd=tmp_path)
+    stdout, stderr = _stop_after_a_save(proc, saved, signal.SIGTERM, settle_s=2)
+    return SimpleNamespace(out=out, ckpt=saved, code=proc.returncode, stdout=stdout, stderr=stderr)
+
+
+def test_resume_redoes_the_next_rollout_exactly(full_run: Path, resumed_run) -> None:
+    """The resumed run's first rollout (2) is the full run's rollout 2: same samples, same
+    loss, the engines serving the resumed weights (then the new ones) from disk."""
+    resumed = _metrics(resumed_run.out)
+    assert resumed and resumed[0]["rollout_id"] == 2, resumed_run.stderr[-3000:]
     # The engines got the resumed weights (and, after rollout 2, the new ones) from disk.
     assert resumed[0]["weights/version"] == 3
     assert resumed[0]["weights/probe_logprob_abs_diff"] < 1e-4
@@ -606,47 +611,60 @@ def _start(*args: str, cwd: Path) -> subprocess.Popen:
     )
 
 
-@pytest.mark.parametrize(
-    ("signum", "status", "said", "code"),
-    [
-        (signal.SIGINT, "interrupted", "interrupted", 130),
-        (signal.SIGTERM, "terminated", "terminated (SIGTERM)", 143),
-    ],
-)
-def test_a_stopped_run_keeps_what_it_made(
-    signum: int, status: str, said: str, code: int, tmp_path: Path
-) -> None:
-    """Ctrl-C (SIGINT) or a scheduler's SIGTERM in the middle of a run: the exit status
-    within a bounded time, one line saying where the outputs are and how to resume, and
-    the rollouts done kept: every metrics line, the plot drawn from them, summary.json
-    with the status, and the last checkpoint, which a run with --load resumes from and
-    which is never ahead of the metrics (a stop between a save and its rollout's line
-    would lose that line for good: the resume starts after it)."""
-
-    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    args = ["--rollout-engine", "hf", "--num-rollout", "1000", "--output-dir", str(out)]
-    proc = _start(*args, "--save", str(ckpt), "--save-interval", "2", cwd=tmp_path)
+def _stop_after_a_save(
+    proc: subprocess.Popen, ckpt: Path, signum: int, settle_s: float, timeout_s: float = 120
+) -> tuple[str, str]:
+    """Send ``signum`` to the run ``settle_s`` after its first checkpoint in ``ckpt`` (it
+    trains on meanwhile); its stdout and stderr once it ended, within ``timeout_s``."""
     try:
         deadline = time.monotonic() + 600
         while not (ckpt / TRACKER).exists():  # a checkpoint first, then some more steps
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.5)
-        time.sleep(2)
+        time.sleep(settle_s)
         proc.send_signal(signum)
-        stdout, stderr = proc.communicate(timeout=120)
+        return proc.communicate(timeout=timeout_s)
     finally:
         proc.kill()
-    assert proc.returncode == code, stdout[-2000:] + stderr[-3000:]
+
+
+def _check_stopped(run: SimpleNamespace, first: int, status: str, said: str, code: int) -> None:
+    """What a stopped run keeps: the exit status, one line saying where the outputs are
+    and how to resume, every metrics line (from rollout ``first`` on), the plot,
+    summary.json with ``status``, and a last checkpoint never ahead of the metrics."""
+    stdout, stderr, out, ckpt = run.stdout, run.stderr, run.out, run.ckpt
+    assert run.code == code, stdout[-2000:] + stderr[-3000:]
     last = int((ckpt / TRACKER).read_text())
     assert f"resume after rollout {last} with --load {ckpt}" in stderr, stderr[-2000:]
     assert f"vime-train: {said}; metrics and plot of the rollouts done in {out}" in stderr
     assert "Traceback" not in stderr and "SIGTERM received" not in stderr, stderr[-3000:]
     rows = _metrics(out)
-    assert rows and [r["rollout_id"] for r in rows] == list(range(len(rows)))
+    assert rows and [r["rollout_id"] for r in rows] == list(range(first, first + len(rows)))
     assert last <= rows[-1]["rollout_id"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == status and summary["rollouts_logged"] == len(rows)
     assert (out / "progress.png").stat().st_size > 0
+
+
+def test_a_stopped_run_keeps_what_it_made(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) in the middle of a run: exit status 130 within a bounded time, one
+    line saying where the outputs are and how to resume, and the rollouts done kept: every
+    metrics line, the plot drawn from them, summary.json with the status, and the last
+    checkpoint, which a run with --load resumes from and which is never ahead of the
+    metrics (a stop between a save and its rollout's line would lose that line for good:
+    the resume starts after it)."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    args = ["--rollout-engine", "hf", "--num-rollout", "1000", "--output-dir", str(out)]
+    proc = _start(*args, "--save", str(ckpt), "--save-interval", "2", cwd=tmp_path)
+    stdout, stderr = _stop_after_a_save(proc, ckpt, signal.SIGINT, settle_s=2)
+    run = SimpleNamespace(out=out, ckpt=ckpt, code=proc.returncode, stdout=stdout, stderr=stderr)
+    _check_stopped(run, 0, "interrupted", "interrupted", 130)
+
+
+def test_a_scheduler_sigterm_stops_a_run_as_ctrl_c_does(resumed_run: SimpleNamespace) -> None:
+    """A scheduler's SIGTERM in the middle of a run (the resumed run, colocated): exit
+    status 143 and all a Ctrl-C keeps, the summary saying "terminated"."""
+    _check_stopped(resumed_run, 2, "terminated", "terminated (SIGTERM)", 143)
 
 
 def test_ctrl_c_while_starting_leaves_nothing(tmp_path: Path) -> None:

@@ -6,8 +6,10 @@ of each process pinned), weights its loss by the behaviour correction without be
 asked, logs the asynchronous metrics, keeps
 the probe check exact after every in-flight weight sync, and evaluates and checkpoints
 while the producer runs; the checkpoint holds the prompts in flight, and a resumed run
-(K = 1) finishes from it; resuming it synchronously is refused in one
-line; Ctrl-C stops it with its outputs and in-flight prompts kept. With K = 2 the gloo
+(K = 1) trains on from it; resuming it synchronously is refused in one line; Ctrl-C
+stops an asynchronous run with its outputs and in-flight prompts kept. The resumed run
+is the one Ctrl-C stops (a start of ``vime-train`` costs the suite more than its
+rollouts), each claim asserted in a test of its own. With K = 2 the gloo
 broadcast streaming into an engine that is generating, failing rewards, dynamic
 sampling and the rollout correction all run. ``--colocate`` and an engine that cannot
 take weights mid-generation are refused while parsing.
@@ -21,12 +23,20 @@ import math
 import re
 import shutil
 import signal
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from tests.cpu.test_trainer import FLAKY_REWARD, REQUIRED, SMALL, _metrics, _start, _train
+from tests.cpu.test_trainer import (
+    FLAKY_REWARD,
+    REQUIRED,
+    SMALL,
+    _metrics,
+    _start,
+    _stop_after_a_save,
+    _train,
+)
 from vime.checkpoint import TRACKER, iteration_dir, load_metadata
 from vime.config.parser import parse_args
 from vime.errors import ConfigError
@@ -78,33 +88,51 @@ def test_every_rollout_trains_samples_at_most_k_old(async_run: Path) -> None:
     assert summary["status"] == "done"
 
 
-def test_a_checkpoint_keeps_the_prompts_in_flight_and_resumes(
-    async_run: Path, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def stopped_resume(async_run: Path, tmp_path_factory) -> SimpleNamespace:
+    """A K = 1 run resumed from the checkpoint of rollout 1 (in flight: prompts drawn and
+    not trained), saving every 2 rollouts to a folder of its own, and stopped by Ctrl-C
+    once it saved (after rollout 3) while its producer's thread generates."""
+    tmp_path = tmp_path_factory.mktemp("resume")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copytree(iteration_dir(async_run / "ckpt", 1), iteration_dir(ckpt, 1))
     (ckpt / TRACKER).write_text("1\n")
-    position = load_metadata(iteration_dir(ckpt, 1))["extra"]["data"]
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    args = [*ASYNC, "--num-rollout", "1000", "--output-dir", str(out), "--load", str(ckpt)]
+    proc = _start(*args, "--save", str(saved), "--save-interval", "2", cwd=tmp_path)
+    stdout, stderr = _stop_after_a_save(proc, saved, signal.SIGINT, settle_s=1, timeout_s=60)
+    return SimpleNamespace(
+        tmp_path=tmp_path, ckpt=ckpt, out=out, saved=saved, code=proc.returncode,
+        console=stdout[-2000:] + stderr[-3000:], stderr=stderr,
+    )  # fmt: skip
+
+
+def test_a_checkpoint_keeps_the_prompts_in_flight_and_resumes(
+    stopped_resume: SimpleNamespace,
+) -> None:
+    """The checkpoint of rollout 1 holds prompts in flight; a K = 1 run resumed from it
+    trains rollouts 2 and 3 (and on), at most one version old, the weights' version going
+    on from the checkpoint's; resuming it synchronously is refused."""
+    run = stopped_resume
+    position = load_metadata(iteration_dir(run.ckpt, 1))["extra"]["data"]
     assert position["pending"]  # generation ran ahead of the checkpoint
-    out = tmp_path / "out"
-    _train(
-        *ASYNC, "--num-rollout", "4", "--output-dir", str(out), "--load", str(ckpt), cwd=tmp_path
-    )
-    resumed = _metrics(out)
-    assert [r["rollout_id"] for r in resumed] == [2, 3]
+    resumed = _metrics(run.out)
+    assert [r["rollout_id"] for r in resumed] == list(range(2, 2 + len(resumed)))
+    assert len(resumed) >= 2, run.console  # rollouts 2 and 3 before the save
     assert all(r["async/staleness_max"] <= 1 for r in resumed)
-    assert resumed[-1]["weights/version"] == 4
+    assert all(r["weights/version"] == r["rollout_id"] + 1 for r in resumed)
+    assert resumed[1]["weights/version"] == 4
 
     with pytest.raises(AssertionError, match="asynchronous run had drawn and not trained"):
         _train(
             "--num-rollout",
             "4",
             "--output-dir",
-            str(tmp_path / "o2"),
+            str(run.tmp_path / "o2"),
             "--load",
-            str(ckpt),
-            cwd=tmp_path,
+            str(run.ckpt),
+            cwd=run.tmp_path,
         )
 
 
@@ -144,27 +172,17 @@ def test_refused_while_parsing(flags: list[str], fragment: str) -> None:
         parse_args([*SMALL, *ASYNC, *flags], for_run=True)
 
 
-def test_ctrl_c_stops_an_asynchronous_run_and_keeps_its_outputs(tmp_path: Path) -> None:
-    """Ctrl-C while the producer's thread generates: exit 130 within a bounded time, no
-    traceback, the metrics and the summary kept, and the checkpoint holds the prompts
-    in flight."""
-    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    args = [*ASYNC, "--num-rollout", "1000", "--output-dir", str(out)]
-    proc = _start(*args, "--save", str(ckpt), "--save-interval", "2", cwd=tmp_path)
-    try:
-        deadline = time.monotonic() + 600
-        while not (ckpt / TRACKER).exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.5)
-        time.sleep(1)
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    rows = _metrics(out)
+def test_ctrl_c_stops_an_asynchronous_run_and_keeps_its_outputs(
+    stopped_resume: SimpleNamespace,
+) -> None:
+    """Ctrl-C while the producer's thread generates (the resumed run above): exit 130
+    within a bounded time, no traceback, the metrics and the summary kept, and the
+    checkpoint holds the prompts in flight."""
+    run = stopped_resume
+    assert run.code == 130, run.console
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    rows = _metrics(run.out)
     assert rows and all(r["async/staleness_max"] <= 1 for r in rows)
-    assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
-    last = int((ckpt / TRACKER).read_text())
-    assert load_metadata(iteration_dir(ckpt, last))["extra"]["data"]["pending"]
+    assert json.loads((run.out / "summary.json").read_text())["status"] == "interrupted"
+    last = int((run.saved / TRACKER).read_text())
+    assert load_metadata(iteration_dir(run.saved, last))["extra"]["data"]["pending"]
