@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -50,3 +50,37 @@ def gqa_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     config = tiny_qwen3_config(VOCAB)
     config.num_key_value_heads = 2
     return save_tiny(tmp_path_factory.mktemp("tiny_qwen3_gqa"), config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def colocated_broadcast_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """One ``vime-train`` run that two modules assert on: three rollouts of LoRA adapters
+    (rank 4, the KL term on, the tied embedding and the norms trained in full), colocated
+    with the hf engine and synced over the gloo broadcast a tensor a bucket, with a
+    reward that raises for some samples, dynamic sampling, the rollout correction in mask
+    mode, eval prompts, a checkpoint at the end and the HF exports; prompts over 4 tokens
+    dropped. ``test_trainer`` checks the loop on it, ``test_trainer_lora`` the adapters:
+    one start of ``vime-train`` costs the suite more than the rollouts it makes."""
+    from tests.cpu.test_trainer import FLAKY_REWARD, _metrics, _train
+    from tests.cpu.test_trainer_lora import LORA
+
+    tmp_path = tmp_path_factory.mktemp("broadcast")
+    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
+    out = tmp_path / "out"
+    result = _train(
+        *LORA,
+        *("--rollout-engine", "hf", "--colocate", "--weight-sync", "broadcast"),
+        # A bucket a tensor: every layer reaches the engine over several calls.
+        *("--update-weight-buffer-size", "4096"),
+        *("--lora-modules-to-save", "embed_tokens,norm"),
+        *("--custom-rm-path", "flaky:reward", "--dynamic-sampling-filter"),
+        *("--dynamic-sampling-max-rounds", "3", "--over-sampling-factor", "2"),
+        *("--use-tis", "--tis-mode", "mask", "--tis-level", "sequence"),
+        *("--eval-prompt-data", "builtin:reverse:eval", "--rollout-max-prompt-len", "4"),
+        *("--save", str(tmp_path / "ckpt"), "--output-dir", str(out)),
+        *("--save-hf-merged", str(tmp_path / "merged")),
+        cwd=tmp_path,
+    )
+    return SimpleNamespace(
+        root=tmp_path, out=out, ckpt=tmp_path / "ckpt", rows=_metrics(out), stdout=result.stdout
+    )

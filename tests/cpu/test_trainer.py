@@ -345,7 +345,9 @@ def reward(args, sample):
 """
 
 
-def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_path) -> None:
+def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(
+    colocated_broadcast_run: SimpleNamespace,
+) -> None:
     """The gloo broadcast transport (a bucket a tensor, streamed into one update per sync)
     and the transformers engine, colocated: sleep frees
     nothing on the CPU, but a sleeping engine refuses to generate, score or load weights,
@@ -358,48 +360,17 @@ def test_broadcast_sync_colocated_with_failing_rewards_and_dynamic_sampling(tmp_
     rollout: its PPO ratio is exactly 1, its log-probs the engine's within 1e-3, so the
     rollout correction (mask mode, which the ranks received: they report its masked
     fraction) keeps every token at a weight within 1e-3 of 1. Dynamic sampling over-samples
-    by --over-sampling-factor and counts the passing groups it did not need."""
-    (tmp_path / "flaky.py").write_text(FLAKY_REWARD)
-    _train(
-        "--num-rollout",
-        "2",
-        "--output-dir",
-        str(tmp_path / "out"),
-        "--rollout-engine",
-        "hf",
-        "--weight-sync",
-        "broadcast",
-        # A bucket a tensor: every layer reaches the engine over several calls.
-        "--update-weight-buffer-size",
-        "4096",
-        "--colocate",
-        "--custom-rm-path",
-        "flaky:reward",
-        "--dynamic-sampling-filter",
-        "--dynamic-sampling-max-rounds",
-        "3",
-        "--over-sampling-factor",
-        "2",
-        "--use-tis",
-        "--tis-mode",
-        "mask",
-        "--tis-level",
-        "sequence",
-        "--eval-prompt-data",
-        "builtin:reverse:eval",
-        "--save",
-        str(tmp_path / "ckpt"),
-        "--rollout-max-prompt-len",
-        "4",
-        cwd=tmp_path,
-    )
-    rows = _metrics(tmp_path / "out")
-    assert [r["rollout_id"] for r in rows] == [0, 1]
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    by --over-sampling-factor and counts the passing groups it did not need. The run
+    trains LoRA adapters (conftest's ``colocated_broadcast_run``, which
+    ``test_trainer_lora`` checks too: one start of ``vime-train`` for both)."""
+    run = colocated_broadcast_run
+    rows = run.rows
+    assert [r["rollout_id"] for r in rows] == [0, 1, 2]
+    summary = json.loads((run.out / "summary.json").read_text())
     assert summary["prompts_dropped"] == 177 and summary["eval_prompts_dropped"] == 79
     # --save without --save-interval: one checkpoint, after the last rollout.
-    assert (tmp_path / "ckpt" / TRACKER).read_text().strip() == "1"
-    assert [p.name for p in (tmp_path / "ckpt").glob("iter_*")] == [iteration_dir("", 1).name]
+    assert (run.ckpt / TRACKER).read_text().strip() == "2"
+    assert [p.name for p in run.ckpt.glob("iter_*")] == [iteration_dir("", 2).name]
     assert sum(r["rollout/reward_failures"] for r in rows) > 0
     for row in rows:
         assert row["weights/version"] == row["rollout_id"] + 1
