@@ -25,7 +25,7 @@ midway between two engine kills. Then it prints, from each run's own records:
 
 Exit status 1 if (a), (b) or the counts fail.
 
-    PYTHONPATH=. python bench/soak.py                              # 1000 rollouts: hours
+    PYTHONPATH=. python bench/soak.py                              # 1000 rollouts: ~13 min alone
     PYTHONPATH=. python bench/soak.py --rollouts 40 --kill-every 10   # a short check
 """
 
