@@ -8,8 +8,9 @@ killed holding rollout 1's prompts is replaced, given the trained weights, and s
 them again; the run logs ``fault/engine_restarts`` 2, ``fault/requests_resent`` 8 and
 every other figure (the engines' probe log-probs among them) as a run without the
 faults (the regenerated samples are what the dead engine would have drawn: same
-seeds, same weights, every prompt trained once); a vLLM engine (where vLLM imports)
-killed mid-generation is restarted serving the trained weights. With
+seeds, same weights, every prompt trained once); a vLLM engine (where vLLM imports),
+and an engine of a ``--weight-sync broadcast`` run, killed mid-generation, are
+restarted serving the trained weights. With
 ``--max-engine-restarts 0`` the same kill stops the run naming the engine. In the
 asynchronous loop an engine stopped (SIGSTOP: alive, not answering) is found by its
 health calls, killed and restarted, and the prompts drawn are exactly those trained
@@ -116,19 +117,29 @@ def _train_async(
     return rows
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
+# How the engine is run: its flags, for the cases that run only the kill.
+ONLY_KILLED = {
+    "vllm": ("--rollout-engine", "vllm"),
+    "broadcast": ("--weight-sync", "broadcast"),
+}
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm", "broadcast"])
 def test_engines_killed_mid_weight_load_and_mid_generation_leave_the_run_as_without(
     engine: str, local_ray: ModuleType, tmp_path: Path
 ) -> None:
     """hf: killed holding the weight load after rollout 0, then holding rollout 1's 8
     prompts: two restarts, 8 resent, and every metric of every rollout (the engines'
     probe log-probs, which the synced weights set, among them) equal to the same run's
-    without the kills. vLLM (where it imports): the generation kill alone, the new
-    engine sampling with the trained weights (the suite's time being short)."""
-    if engine == "vllm":  # CI fails instead where it does not import (test_engines.py)
-        pytest.importorskip("vllm")
+    without the kills. vLLM (where it imports), and hf under ``--weight-sync
+    broadcast`` (its group formed anew with the new engine): the generation kill
+    alone, the new engine sampling with the trained weights (the suite's time being
+    short)."""
+    if engine in ONLY_KILLED:
+        if engine == "vllm":  # CI fails instead where it does not import (test_engines.py)
+            pytest.importorskip("vllm")
         chaos, said = [_mid_generation(signal.SIGKILL)], []
-        run = _train(local_ray, tmp_path / "killed", "--rollout-engine", "vllm", chaos=chaos)
+        run = _train(local_ray, tmp_path / "killed", *ONLY_KILLED[engine], chaos=chaos)
         rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
         assert [r[RESTARTS_KEY] for r in rows] == [0.0, 1.0]
     else:
@@ -151,7 +162,7 @@ def test_engines_killed_mid_weight_load_and_mid_generation_leave_the_run_as_with
     # Every prompt drawn once and trained once: the data source moved by the batches alone.
     assert sum(r["rollout/prompts_drawn"] for r in rows) == ROLLOUTS * BATCH
     assert run.manager.source.state_dict()["position"] == ROLLOUTS * BATCH
-    if engine == "vllm":
+    if engine in ONLY_KILLED:
         return
     plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")
     stable = [k for k in plain[1] if not k.startswith(UNSTABLE)]

@@ -7,7 +7,8 @@ Each class holds the three parts of one transport, each run in its own process:
 
 - the driver: ``setup`` and ``sync`` (returns the version each engine then serves),
   and ``restore``, which brings restarted engines up to the version last synced
-  (``vime.ray.engines.EngineGroup.recover``);
+  (``vime.ray.engines.EngineGroup.recover``; a transport that cannot reach them
+  alone is set up again and syncs every engine);
 - every training rank: ``send``, run by ``TrainWorker.send_weights`` (the backend's
   ``sync_buckets`` is a collective every rank iterates; rank 0 sends), after
   ``open_sender`` where the transport keeps something on the rank;
@@ -116,18 +117,17 @@ class WeightTransport:
         raise NotImplementedError(f"{type(self).__name__}.sync")
 
     def restore(self, engines: list[int]) -> None:
-        """Load the version last synced into ``engines``, restarted from the checkpoint
-        (version 0: nothing to load). Only while the trainer still holds that version:
-        the driver's main thread, outside training and the sync."""
+        """Load the version last synced into ``engines``, restarted from the checkpoint.
+        Only while the trainer still holds that version: the driver's main thread,
+        outside training and the sync. A ``partial`` transport loads them alone; any
+        other is set up again over the engines as they now are (a broadcast group is
+        formed anew, the dead member's left behind) and syncs that version to all, the
+        engines that kept it loading it again."""
+        if not self.partial:
+            self.setup()
         if self.version == 0:
             return
-        if not self.partial:
-            raise RuntimeError(
-                f"--weight-sync {self.name} cannot load the weights into restarted rollout "
-                f"engine(s) {engines} alone; use --weight-sync object-store or disk for "
-                "engine restarts, or --max-engine-restarts 0"
-            )
-        served = self.sync(self.version, engines)
+        served = self.sync(self.version, engines if self.partial else None)
         if any(v != self.version for v in served):
             raise RuntimeError(f"restarted engines serve versions {served}, not {self.version}")
 
