@@ -108,8 +108,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespac
 
 def _bundle_nodes(run: SimpleNamespace) -> list[str]:
     """The node of each of the layout's (logical) bundles: training ranks, then engines."""
-    table = ray.util.placement_group_table(run.placement.group)["bundles_to_node_id"]
-    return [table[b] for b in run.placement.order]
+    return run.placement.nodes_of(range(len(run.placement.order)))
 
 
 def _grouped(nodes: list[str]) -> bool:

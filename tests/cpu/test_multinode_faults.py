@@ -32,7 +32,7 @@ from vime import cli  # noqa: E402
 from vime.config.parser import parse_args  # noqa: E402
 from vime.ray.cluster import start_ray, stop_ray  # noqa: E402
 from vime.ray.engine_watch import RESENT_KEY, RESTARTS_KEY  # noqa: E402
-from vime.ray.placement import Layout, Placement, reserve  # noqa: E402
+from vime.ray.placement import Layout, reserve  # noqa: E402
 from vime.ray.train_group import RayTrainGroup  # noqa: E402
 from vime.setup.run import build_run  # noqa: E402
 from vime.tracking import read_metrics  # noqa: E402
@@ -70,12 +70,6 @@ def _remove(cluster: Any, node_id: str) -> None:
     cluster.remove_node(node)
 
 
-def _node_of(placement: Placement, bundle: int) -> str:
-    """The node logical ``bundle`` is placed on now ('' while Ray places it again)."""
-    table = ray.util.placement_group_table(placement.group)["bundles_to_node_id"]
-    return table[placement.order[bundle]]
-
-
 def test_an_engine_whose_node_is_removed_restarts_on_the_spare_node(
     nodes: Any, tmp_path: Path
 ) -> None:
@@ -89,11 +83,11 @@ def test_an_engine_whose_node_is_removed_restarts_on_the_spare_node(
     try:
         placement = run.parts.actors.placement
         engine_bundle = placement.layout.engine_bundles(0)[0]
-        rank_node, engine_node = _node_of(placement, 0), _node_of(placement, engine_bundle)
+        rank_node, engine_node = placement.nodes_of([0, engine_bundle])
         fired = on_generation(run.engines, 1, lambda: _remove(nodes, engine_node))
         run.train()
         versions, synced = run.engines.weight_versions(), run.transport.version
-        moved_to = _node_of(placement, engine_bundle)
+        moved_to = placement.nodes_of([engine_bundle])[0]
     finally:
         run.close("done")
         stop_ray()
@@ -158,7 +152,7 @@ def test_a_bundle_with_no_node_to_go_to_is_waited_for_within_the_limit(nodes: An
         others = [{"CPU": 1}] * (len(nodes.worker_nodes) - 1)  # every other node: full
         blocker = placement_group(others, strategy="SPREAD")
         ray.get(blocker.ready())
-        _remove(nodes, _node_of(placement, engine[0]))
+        _remove(nodes, placement.nodes_of([engine[0]])[0])
 
         @ray.remote(num_cpus=1)
         def node() -> str:
@@ -166,10 +160,10 @@ def test_a_bundle_with_no_node_to_go_to_is_waited_for_within_the_limit(nodes: An
 
         started = node.options(scheduling_strategy=placement.strategy(engine[0])).remote()
         assert not placement.wait_placed(started, engine, timeout_s=1.0)
-        assert _node_of(placement, engine[0]) == ""
+        assert placement.nodes_of([engine[0]])[0] == ""
         freed = set(ray.util.placement_group_table(blocker)["bundles_to_node_id"].values())
         remove_placement_group(blocker)
         assert placement.wait_placed(started, engine, timeout_s=60.0)
-        assert ray.get(started) == _node_of(placement, engine[0]) and ray.get(started) in freed
+        assert ray.get(started) == placement.nodes_of([engine[0]])[0] and ray.get(started) in freed
     finally:
         stop_ray()

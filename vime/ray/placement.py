@@ -155,6 +155,12 @@ class Placement:
             placement_group_capture_child_tasks=capture_child_tasks,
         )
 
+    def nodes_of(self, bundles: Sequence[int]) -> list[str]:
+        """The Ray node each of logical ``bundles`` is on now ('' while Ray places it
+        again, its node lost)."""
+        table = placement_group_table(self.group)["bundles_to_node_id"]
+        return [table.get(self.order[b]) or "" for b in bundles]
+
     def wait_placed(self, ref: Any, bundles: Sequence[int], timeout_s: float) -> bool:
         """Wait for ``ref``, the start of an actor on logical ``bundles``: True once it is
         done (or failed: ``ray.get`` it); False once some of ``bundles`` has been without a
@@ -162,11 +168,9 @@ class Placement:
         it; Ray places them again on a live node with room, and an actor started on one
         meanwhile waits for that, for ever if no node has room. The actor's own start is
         not limited (a large engine loads for minutes)."""
-        physical = [self.order[b] for b in bundles]
         unplaced_since: float | None = None
         while not ray.wait([ref], timeout=PLACED_POLL_S)[0]:
-            nodes = placement_group_table(self.group)["bundles_to_node_id"]
-            if all(nodes.get(b) for b in physical):
+            if all(self.nodes_of(bundles)):
                 unplaced_since = None
             elif unplaced_since is None:
                 unplaced_since = time.monotonic()
