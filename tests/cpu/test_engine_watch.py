@@ -153,6 +153,8 @@ def test_engines_killed_mid_weight_load_and_mid_generation_leave_the_run_as_with
         ], said
         rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
         assert [r[RESTARTS_KEY] for r in rows] == [1.0, 2.0]
+        # The window counts each restart on the rollout the trainer named (the sync ends 0).
+        assert list(run.engines.faults.recent) == [0, 1]
     assert [r[RESENT_KEY] for r in rows] == [0.0, float(BATCH)]
     # Rollout 1 was sampled by the restarted engine: its log-probs are the trainer's
     # (an engine left on the checkpoint's weights was 0.06 off, on either engine).
