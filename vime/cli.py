@@ -23,6 +23,7 @@ from typing import Any
 
 from vime.config import Config, ConfigError, parse_args
 from vime.config.validate import joins_cluster
+from vime.interrupts import raise_in_main
 
 LOCAL_RAY_LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -59,15 +60,14 @@ def _notes(config: Config) -> list[str]:
     return notes
 
 
-# Ctrl-C while starting, remembered: one that lands in an at-fork handler (Ray spawns its
-# processes with a preexec_fn) is printed as "Exception ignored" and lost, and the run
-# would go on as if it had not been pressed.
+# Ctrl-C while starting, remembered: one whose exception a library swallows would be
+# lost, and the run would go on as if it had not been pressed.
 _INTERRUPTED = threading.Event()
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
     _INTERRUPTED.set()
-    raise KeyboardInterrupt
+    raise_in_main(KeyboardInterrupt(), signum, frame)  # not in logging's at-fork handler
 
 
 def _raise_if_interrupted() -> None:

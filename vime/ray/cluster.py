@@ -28,6 +28,7 @@ from typing import Any
 import ray
 
 from vime.errors import ConfigError
+from vime.interrupts import raise_in_main
 from vime.ray.errors import Terminated
 from vime.tracking import HF_PROGRESS_BARS_VAR
 
@@ -170,7 +171,7 @@ def _quiet_default_auth_notice() -> None:
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated(f"signal {signum}")
+    raise_in_main(Terminated(f"signal {signum}"), signum, frame)
 
 
 # The SIGTERM handler start_ray replaced (a process-wide setting, so kept here).
