@@ -12,11 +12,12 @@ asserted here.
 
 The second demo, ``vime-train --prompt-data builtin:lookup``, must learn to call its
 tool. It starts with its recipe's supervised warm start (``--sft-warmup-steps 30``); its
-first 240 rollouts of 500 are run (the run is the same rollout for rollout whatever its
-length: a constant lr): the share of trajectories that call the tool goes from none in
-the first 10 rollouts to a fifth or more in the last 10 (0.37-0.53 over six seeds), and
-greedy decoding calls it on nearly all of the 100 held-out keys, whose values only the
-tool knows (from rollout 120 for the default seed, 2026-12-05). Copying the tool's
+first 180 rollouts of 500 are run (the run is the same rollout for rollout whatever its
+length: a constant lr): the share of trajectories that call the tool goes from under 1 %
+in the first 10 rollouts to over 5 % in the last 10 (0.07-0.24 over six seeds, rising),
+and greedy decoding calls it on nearly all of the 100 held-out keys, whose values only
+the tool knows (from rollout 120 for the default seed, by 160 for all six, 2026-12-05).
+Copying the tool's
 answer (greedy accuracy) is not asserted here: it comes later, between rollouts 260 and
 400 for five seeds on one CPU, and a CPU's arithmetic moves it (bench/README.md).
 """
@@ -70,13 +71,13 @@ def test_embedded_default_learns_string_reversal(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_lookup_task_learns_to_call_its_tool(tmp_path: Path) -> None:
-    out, rows = _run(tmp_path, "--prompt-data", "builtin:lookup", "--num-rollout", "240")
-    assert len(rows) == 240 and rows[0]["warmup/steps"] == 30
+    out, rows = _run(tmp_path, "--prompt-data", "builtin:lookup", "--num-rollout", "180")
+    assert len(rows) == 180 and rows[0]["warmup/steps"] == 30
     calling = [r["agent/calling_frac"] for r in rows]
     first, last = sum(calling[:10]) / 10, sum(calling[-10:]) / 10
     final = json.loads((out / "summary.json").read_text())["final_eval"]
     report = f"calling {first:.2f} -> {last:.2f}, greedy calling {final['eval/calling_frac']:.2f}"
     print(report)
-    assert first < 0.05 and last > 0.2, report
+    assert first < 0.01 and last > 0.05, report
     assert final["eval/calling_frac"] >= 0.9, report
     assert final["eval/num_prompts"] == 100
