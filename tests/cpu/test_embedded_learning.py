@@ -27,10 +27,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.commands import vime_train_command
 
 # hf here keeps the CPU suite's time the same with or without vLLM (a vLLM run of the
 # default takes longer on 2 cores); .buildkite's vLLM step sets vllm.
@@ -39,8 +40,7 @@ ENGINE = os.environ.get("VIME_TEST_ROLLOUT_ENGINE", "hf")
 
 def _run(tmp_path: Path, *flags: str) -> tuple[Path, list[dict]]:
     """``vime-train`` as a user runs it, with ``flags``; its output folder and metrics."""
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    command = vime_train_command()
     out = tmp_path / "run"
     result = subprocess.run(
         [*command, *flags, "--output-dir", str(out)],

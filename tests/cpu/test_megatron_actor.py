@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +46,7 @@ from tiny_models import save_tiny, tiny_llama_config, tiny_qwen3_config
 
 pytest.importorskip("megatron.core")
 
+from tests.commands import vime_train_command
 from vime.algo.metrics import MetricAccumulator
 from vime.config.train_settings import train_settings
 from vime.data.batch import schedule
@@ -732,8 +732,7 @@ def test_vime_train_end_to_end(tmp_path) -> None:
     embedded default, weights synced to the rollout engine from both stages (which then
     scores like the trainer), a checkpoint and the HF export. (TP with sequence parallel
     goes through the same trainer; its weight source is checked in the alignment tests.)"""
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    command = vime_train_command()
     flags = ["--train-backend", "megatron", "--megatron-pipeline-parallel-size", "2"]
     flags += ["--actor-num-gpus-per-node", "2", "--rollout-batch-size", "8"]
     flags += ["--n-samples-per-prompt", "4", "--max-tokens-per-gpu", "256", "--seed", "7"]

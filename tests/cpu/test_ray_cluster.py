@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.commands import vime_train_command
 from vime.config import ConfigError
 from vime.ray.cluster import start_ray
 from vime.weights.transports import free_port
@@ -79,11 +80,6 @@ bundles = [
 ]
 print("QUERY" + json.dumps({"jobs": jobs, "actors": actors, "nodes": nodes, "bundles": bundles}))
 """
-
-
-def _command() -> list[str]:
-    script = Path(sys.executable).with_name("vime-train")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
 
 
 # Ray 2.60 secures a `ray start` head with a token when ~/.ray/auth_token exists, and a
@@ -171,7 +167,7 @@ def test_run_joins_the_running_cluster(head: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = _env(RAY_ADDRESS=head)
     result = subprocess.run(
-        [*_command(), *RUN_FLAGS, "--output-dir", str(out)],
+        [*vime_train_command(), *RUN_FLAGS, "--output-dir", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -202,7 +198,7 @@ def test_unreachable_address_fails_fast_with_one_line(tmp_path: Path) -> None:
     out = tmp_path / "out"
     # Before the check, this hung for ever (Ray retries the GCS); the timeout is a hang guard.
     result = subprocess.run(
-        [*_command(), *RUN_FLAGS, "--ray-address", address, "--output-dir", str(out)],
+        [*vime_train_command(), *RUN_FLAGS, "--ray-address", address, "--output-dir", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

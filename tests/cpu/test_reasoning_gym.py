@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.commands import vime_train_command
 from tests.cpu.test_cli import assert_one_line_error, run_cli
 from vime.config.flags import apply_gym_eval_default
 from vime.config.parser import parse_args
@@ -160,8 +161,7 @@ def test_vime_train_runs_on_a_reasoning_gym_task(backend: str, tmp_path: Path) -
     """The embedded model trains 2 rollouts on gcd; rewards vary and eval is scored."""
     if backend == "megatron":
         pytest.importorskip("megatron.core")
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    command = vime_train_command()
     flags = ["--train-backend", backend, "--prompt-data", "reasoning-gym:gcd?size=64&seed=1"]
     flags += ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-rollout", "2"]
     flags += ["--max-tokens-per-gpu", "1024", "--seed", "7", "--output-dir", "out"]

@@ -42,13 +42,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from tests.commands import vime_train_command
 from vime.checkpoint import TRACKER, iteration_dir
 from vime.config.parser import parse_args
 from vime.config.settings import sync_settings
@@ -117,8 +117,7 @@ SHUFFLED = ["--num-steps-per-rollout", "2", "--shuffle-updates"]
 
 
 def _train(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    command = vime_train_command()
     result = subprocess.run(
         [*command, *SMALL, *args], capture_output=True, text=True, timeout=900, cwd=cwd
     )
@@ -471,8 +470,7 @@ def test_a_failing_rank_stops_the_run_with_its_error(tmp_path: Path) -> None:
     run ends (exit 1, well inside the test's timeout) with rank 1's error as the last
     stderr line, and Ray's whole report, remote traceback included, in error.log."""
     (tmp_path / "failing.py").write_text(FAILING_LOSS)
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    command = vime_train_command()
     out = tmp_path / "out"
     flags = ["--num-rollout", "2", "--rollout-engine", "hf", "--output-dir", str(out)]
     hook = ["--custom-loss-function-path", f"{tmp_path / 'failing.py'}:loss"]
@@ -570,8 +568,7 @@ def test_colocated_turns_share_a_device_with_weights_only() -> None:
 def _start(*args: str, cwd: Path) -> subprocess.Popen:
     """``vime-train`` with the small flags, running in the background as from a terminal
     (a shell's background job would ignore SIGINT; a user's foreground run does not)."""
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    command = vime_train_command()
     return subprocess.Popen(
         [*command, *SMALL, *args],
         stdout=subprocess.PIPE,

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.commands import vime_train_command
 from tests.gpu.test_vllm_gpu import LOGP_ATOL, ROOT, _embedded_bf16
 
 
@@ -25,8 +25,7 @@ def test_asynchronous_run_broadcasts_to_an_engine_on_its_own_gpu(tmp_path: Path)
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices: one to train on, one for the engine")
     checkpoint = _embedded_bf16(tmp_path / "model")
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    command = vime_train_command()
     out = tmp_path / "out"
     flags = [
         *("--hf-checkpoint", checkpoint, "--prompt-data", "builtin:reverse"),

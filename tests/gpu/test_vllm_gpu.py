@@ -20,11 +20,12 @@ import json
 import multiprocessing as mp
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.commands import vime_train_command
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,8 +198,7 @@ def test_colocated_run_with_cuda_ipc(engine_name: str, tmp_path: Path) -> None:
     if engine_name == "vllm":
         pytest.importorskip("vllm")
     checkpoint = _embedded_bf16(tmp_path / "model")
-    script = Path(sys.executable).with_name("vime-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "vime.cli"]
+    command = vime_train_command()
     out = tmp_path / "out"
     flags = [
         *("--hf-checkpoint", checkpoint, "--prompt-data", "builtin:reverse"),
