@@ -117,3 +117,26 @@ async def endless_agent(sample: Any, client: Any) -> float:
             prompt += out.choices[0].text + " more"
         except Exception:
             pass
+
+
+async def two_ways_agent(sample: Any, client: Any) -> dict:
+    """Two completions: the first through the client it was given, the second, which
+    extends it, through a client of its own on the endpoint's URL (over HTTP)."""
+    import openai
+
+    from vime.rollout.endpoint.server import HEADER
+
+    own = openai.AsyncOpenAI(
+        base_url=str(client.base_url),
+        api_key=client.api_key,
+        default_headers={HEADER: client.default_headers[HEADER]},
+        max_retries=0,
+    )
+    prompt = sample.prompt.text
+    try:
+        for each in (client, own):
+            out = await each.completions.create(model="vime", prompt=prompt, max_tokens=4)
+            prompt += out.choices[0].text + " more"
+    finally:
+        await own.close()
+    return {"agent": "two ways"}

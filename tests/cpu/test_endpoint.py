@@ -6,7 +6,9 @@ context and (sample, request) seed with the engine's log-probs, and the tool ans
 and nudges between turns are the template's tail (mask 0), never re-tokenized model
 text, on vLLM as on hf; tool calls come back in OpenAI's ``tool_calls`` form and the reward is the
 agent's float; a drifting agent (it edits earlier context) is served, counted, and
-trained on its last consistent prefix; an agent that never stops is cut by the budget
+trained on its last consistent prefix; the client an agent is given reaches the
+routes without a socket, and one it builds on the URL goes over HTTP into the same
+trajectory; an agent that never stops is cut by the budget
 or ``--max-turns`` and stopped; a chat turn stopped on the ``</tool_call>`` stop id
 is read as its call; an agent that raises or returns no reward fails the
 rollout; every bad request gets OpenAI's error shape; and the flags are checked while
@@ -33,6 +35,7 @@ from endpoint_fixtures import (
     endpoint_tokenizer,
     save_endpoint_model,
     tool_agent,
+    two_ways_agent,
 )
 
 from vime.data.prompts import Prompt
@@ -181,6 +184,24 @@ def check_tool_agent(engine, tok, server) -> None:
             if "<tool_response>" in between:
                 assert "<tool_response>\n5\n</tool_response>" in between
     assert calls >= 2  # the model called the tool and each answer came back
+
+
+def test_the_agents_client_needs_no_socket_and_its_url_serves_the_same_trajectory(
+    engine, tok, server
+) -> None:
+    """The client an agent is given calls the routes in its own event loop: an endpoint
+    whose HTTP server never started serves it, token-exact. A client the agent builds
+    on ``base_url`` goes over HTTP into the same trajectory: two turns, no drift."""
+    unstarted = EndpointServer()  # its port bound, nothing listening
+    try:
+        check_tool_agent(engine, tok, unstarted)
+    finally:
+        unstarted.close()
+    for i, c in enumerate(run_agent(two_ways_agent, engine, tok, server)):
+        stats = c.extra["agent"]
+        assert stats["turns"] == 2 and stats["drift"] == 0 and stats["cut"] is None
+        assert stats["metadata"] == {"agent": "two ways"}
+        assert_engine_exact(engine, c, i, tok.eos_token_id)
 
 
 def test_a_drifting_agent_is_served_counted_and_trained_on_its_prefix(engine, tok, server):

@@ -6,11 +6,13 @@ tool loop does. Per sample it opens a ``Conversation`` on the run's
 :class:`~vime.rollout.endpoint.server.EndpointServer` and calls the user's
 ``async fn(sample, client) -> float | dict | None`` with an ``openai.AsyncOpenAI``
 whose ``base_url`` is the endpoint, ``api_key`` the run's token and default headers
-name the trajectory (``X-Vime-Trajectory``); requests use ``model="vime"``. The
-trajectory trained is what the endpoint captured, as token ids. The reward: a float
-returned is it; a dict is metadata for the run's reward function, which scores the
-final answer (as does None). A trajectory cut by the budget or ``--max-turns`` stops
-the agent (its task is cancelled) and is scored by the run's reward.
+name the trajectory (``X-Vime-Trajectory``); requests use ``model="vime"``. That client
+calls the routes in this process (``EndpointServer.transport``); code that builds its
+own from ``base_url`` goes over HTTP. The trajectory trained is what the endpoint
+captured, as token ids. The reward: a float returned is it; a dict is metadata for the
+run's reward function, which scores the final answer (as does None). A trajectory cut
+by the budget or ``--max-turns`` stops the agent (its task is cancelled) and is scored
+by the run's reward.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ class EndpointAgent:
         shared = self._clients.get(loop)
         if shared is None:
             client = openai.AsyncOpenAI(
+                # In this process the routes are called directly; base_url still serves
+                # whatever the agent starts elsewhere (verifiers' harness, its own client).
+                http_client=openai.DefaultAsyncHttpxClient(transport=self.server.transport()),
                 base_url=self.server.base_url,
                 api_key=self.server.token,
                 max_retries=0,  # a refusal stands; the lock-step waits as long as it must
@@ -85,7 +90,7 @@ class EndpointAgent:
             )
             shared = self._clients[loop] = [client, 0]
         shared[1] += 1
-        # A copy shares the loop's connection pool: a client each costs ~30 ms (TLS setup).
+        # A copy shares the loop's client: building one each costs ~30 ms.
         client = shared[0].with_options(default_headers={HEADER: key})
         task = asyncio.ensure_future(self.fn(sample, client))
         conversation.on_cut = task.cancel
