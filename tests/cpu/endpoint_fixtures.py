@@ -140,3 +140,22 @@ async def two_ways_agent(sample: Any, client: Any) -> dict:
     finally:
         await own.close()
     return {"agent": "two ways"}
+
+
+async def streaming_agent(sample: Any, client: Any) -> dict:
+    """One chat request streamed (``stream=True`` with the usage chunk), read to its end."""
+    stream = await client.chat.completions.create(
+        model="vime",
+        messages=[{"role": "user", "content": sample.prompt.text}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, tokens, finish = "", None, None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return {"text": text, "tokens": tokens, "finish": finish}

@@ -8,7 +8,7 @@ text, on vLLM as on hf; tool calls come back in OpenAI's ``tool_calls`` form and
 agent's float; a drifting agent (it edits earlier context) is served, counted, and
 trained on its last consistent prefix; the client an agent is given reaches the
 routes without a socket, and one it builds on the URL goes over HTTP into the same
-trajectory; an agent that never stops is cut by the budget
+trajectory; a streamed request is the turn trained; an agent that never stops is cut by the budget
 or ``--max-turns`` and stopped; a chat turn stopped on the ``</tool_call>`` stop id
 is read as its call; an agent that raises or returns no reward fails the
 rollout; every bad request gets OpenAI's error shape; and the flags are checked while
@@ -34,6 +34,7 @@ from endpoint_fixtures import (
     endless_agent,
     endpoint_tokenizer,
     save_endpoint_model,
+    streaming_agent,
     tool_agent,
     two_ways_agent,
 )
@@ -201,6 +202,18 @@ def test_the_agents_client_needs_no_socket_and_its_url_serves_the_same_trajector
         stats = c.extra["agent"]
         assert stats["turns"] == 2 and stats["drift"] == 0 and stats["cut"] is None
         assert stats["metadata"] == {"agent": "two ways"}
+        assert_engine_exact(engine, c, i, tok.eos_token_id)
+
+
+def test_a_streamed_request_is_the_turn_the_trajectory_trains(engine, tok, server) -> None:
+    """``stream=True`` through the agent's client: the text streamed is the trained
+    turn's, and the usage chunk counts its tokens."""
+    for i, c in enumerate(run_agent(streaming_agent, engine, tok, server)):
+        got = c.extra["agent"]["metadata"]
+        assert got["tokens"] == len(c.response_ids) > 0
+        ends = c.response_ids[-1] == tok.eos_token_id
+        shown = c.response_ids[:-1] if ends else c.response_ids
+        assert got["text"] == tok.decode(shown) and got["finish"] in ("stop", "length")
         assert_engine_exact(engine, c, i, tok.eos_token_id)
 
 
