@@ -60,8 +60,6 @@ class EndpointAgent:
     ) -> None:
         self.fn, self.server, self.tokenizer = fn, server, tokenizer
         self.max_turns, self.parse, self.stops = max_turns, parse, stops
-        # event loop -> [its openai client, the trajectories using it]
-        self._clients: dict[asyncio.AbstractEventLoop, list[Any]] = {}
 
     async def __call__(self, sample: AgentSample, engine: EngineHandle) -> Trajectory:
         import openai
@@ -76,22 +74,17 @@ class EndpointAgent:
             stops=self.stops,
         )
         key = self.server.open(conversation)
-        loop = asyncio.get_running_loop()
-        shared = self._clients.get(loop)
-        if shared is None:
-            client = openai.AsyncOpenAI(
-                # In this process the routes are called directly; base_url still serves
-                # whatever the agent starts elsewhere (verifiers' harness, its own client).
-                http_client=openai.DefaultAsyncHttpxClient(transport=self.server.transport()),
-                base_url=self.server.base_url,
-                api_key=self.server.token,
-                max_retries=0,  # a refusal stands; the lock-step waits as long as it must
-                timeout=None,
-            )
-            shared = self._clients[loop] = [client, 0]
-        shared[1] += 1
-        # A copy shares the loop's client: building one each costs ~30 ms.
-        client = shared[0].with_options(default_headers={HEADER: key})
+        client = openai.AsyncOpenAI(
+            # The routes called in this process: no socket, no TLS context, so a client a
+            # trajectory is cheap. base_url still serves what the agent starts elsewhere
+            # (verifiers' harness, a client of its own).
+            http_client=openai.DefaultAsyncHttpxClient(transport=self.server.transport()),
+            base_url=self.server.base_url,
+            api_key=self.server.token,
+            default_headers={HEADER: key},
+            max_retries=0,  # a refusal stands; the lock-step waits as long as it must
+            timeout=None,
+        )
         task = asyncio.ensure_future(self.fn(sample, client))
         conversation.on_cut = task.cancel
         try:
@@ -103,10 +96,7 @@ class EndpointAgent:
             out = None
         finally:
             self.server.release(key)
-            shared[1] -= 1
-            if not shared[1]:  # the loop's last trajectory: its pool goes with it
-                del self._clients[loop]
-                await shared[0].close()
+            await client.close()
         if conversation.error is not None:
             raise conversation.error
         return _scored(conversation.trajectory(), out, sample)
